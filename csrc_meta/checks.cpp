@@ -1,0 +1,158 @@
+#include "checks.h"
+
+#include <c10/core/SymBool.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <string>
+
+namespace k3_ops {
+namespace {
+
+// TORCH_SYM_CHECK raises RuntimeError; shape and value rules raise ValueError like the rest of the
+// Python API, so the symbolic variant of TORCH_CHECK_VALUE is spelled out here.
+#define K3_SYM_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE((cond).expect_true(__FILE__, __LINE__), __VA_ARGS__)
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+bool is_io_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat || t == at::kDouble;
+}
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& prefix_sum) {
+  TORCH_CHECK_VALUE(t.device() == prefix_sum.device(), name, " must be on prefix_sum's device (",
+                    prefix_sum.device(), "), got ", t.device());
+}
+
+void check_floating_weight(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), name, ".dtype must be a floating dtype, got ",
+                   dtype_name(t.scalar_type()));
+}
+
+void check_eps(double eps, const char* name) {
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0.0, name, " must be finite and > 0, got ", eps);
+}
+
+// grad_out of the backward and addend of the fused op are "another [T, H] tensor like prefix_sum".
+void check_like_prefix(const at::Tensor& t, const char* name, const at::Tensor& prefix_sum) {
+  TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D [T, H] like prefix_sum, got a ", t.dim(),
+                    "-D tensor of shape ", t.sym_sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == prefix_sum.scalar_type(), name, ".dtype must equal prefix_sum.dtype=",
+                   dtype_name(prefix_sum.scalar_type()), ", got ", dtype_name(t.scalar_type()));
+  check_same_device(t, name, prefix_sum);
+  K3_SYM_CHECK_VALUE(t.sym_size(0).sym_eq(prefix_sum.sym_size(0)), name, ".size(0) must equal prefix_sum.size(0)=",
+                     prefix_sum.sym_size(0), " (token count), got ", t.sym_size(0));
+  K3_SYM_CHECK_VALUE(t.sym_size(1).sym_eq(prefix_sum.sym_size(1)), name, ".size(1) must equal prefix_sum.size(1)=",
+                     prefix_sum.sym_size(1), " (hidden size), got ", t.sym_size(1));
+}
+
+}  // namespace
+
+void check_attn_res_args(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
+                         const at::Tensor& norm_weight, const at::Tensor& proj_weight,
+                         int64_t num_valid_blocks, double eps) {
+  // Ranks first: every later rule indexes sizes.
+  TORCH_CHECK_VALUE(prefix_sum.dim() == 2, "prefix_sum must be 2-D [T, H], got a ", prefix_sum.dim(),
+                    "-D tensor of shape ", prefix_sum.sym_sizes());
+  TORCH_CHECK_VALUE(block_residual.dim() == 3,
+                    "block_residual must be 3-D [T, C, H] (pass a block-major [C, T, H] buffer as "
+                    ".transpose(0, 1)), got a ", block_residual.dim(), "-D tensor of shape ",
+                    block_residual.sym_sizes());
+  TORCH_CHECK_VALUE(norm_weight.dim() == 1, "norm_weight must be 1-D [H], got a ", norm_weight.dim(),
+                    "-D tensor of shape ", norm_weight.sym_sizes());
+  TORCH_CHECK_VALUE(proj_weight.dim() == 1 || proj_weight.dim() == 2,
+                    "proj_weight must be [H] or [1, H] (an nn.Linear(H, 1) weight), got a ", proj_weight.dim(),
+                    "-D tensor of shape ", proj_weight.sym_sizes());
+  if (proj_weight.dim() == 2) {
+    K3_SYM_CHECK_VALUE(proj_weight.sym_size(0).sym_eq(1),
+                       "proj_weight must be [H] or [1, H] (an nn.Linear(H, 1) weight), got shape ",
+                       proj_weight.sym_sizes());
+  }
+
+  // Dtypes: the candidates share one I/O dtype; the weights may be any floating dtype.
+  TORCH_CHECK_TYPE(is_io_dtype(prefix_sum.scalar_type()),
+                   "prefix_sum.dtype must be one of torch.bfloat16, torch.float16, torch.float32, torch.float64, got ",
+                   dtype_name(prefix_sum.scalar_type()));
+  TORCH_CHECK_TYPE(block_residual.scalar_type() == prefix_sum.scalar_type(),
+                   "block_residual.dtype must equal prefix_sum.dtype=", dtype_name(prefix_sum.scalar_type()),
+                   ", got ", dtype_name(block_residual.scalar_type()));
+  check_floating_weight(norm_weight, "norm_weight");
+  check_floating_weight(proj_weight, "proj_weight");
+
+  check_same_device(block_residual, "block_residual", prefix_sum);
+  check_same_device(norm_weight, "norm_weight", prefix_sum);
+  check_same_device(proj_weight, "proj_weight", prefix_sum);
+
+  // Sizes: one hidden size H >= 1 and one token count T across all arguments.
+  const c10::SymInt& H = prefix_sum.sym_size(1);
+  K3_SYM_CHECK_VALUE(H.sym_ge(1), "prefix_sum.size(1) (hidden size H) must be >= 1, got ", H);
+  K3_SYM_CHECK_VALUE(block_residual.sym_size(2).sym_eq(H), "block_residual.size(2) must equal prefix_sum.size(1)=",
+                     H, " (hidden size), got ", block_residual.sym_size(2));
+  K3_SYM_CHECK_VALUE(norm_weight.sym_size(0).sym_eq(H), "norm_weight.size(0) must equal prefix_sum.size(1)=", H,
+                     " (hidden size), got ", norm_weight.sym_size(0));
+  K3_SYM_CHECK_VALUE(proj_weight.sym_size(-1).sym_eq(H), "proj_weight.size(-1) must equal prefix_sum.size(1)=", H,
+                     " (hidden size), got ", proj_weight.sym_size(-1));
+  K3_SYM_CHECK_VALUE(block_residual.sym_size(0).sym_eq(prefix_sum.sym_size(0)),
+                     "block_residual.size(0) must equal prefix_sum.size(0)=", prefix_sum.sym_size(0),
+                     " (token count), got ", block_residual.sym_size(0));
+
+  // The valid prefix of the buffer: dim 1 is only capacity.
+  const c10::SymInt& C = block_residual.sym_size(1);
+  TORCH_CHECK_VALUE(num_valid_blocks >= 0, "num_valid_blocks must be in [0, block_residual.size(1)=", C,
+                    "], got ", num_valid_blocks);
+  K3_SYM_CHECK_VALUE(C.sym_ge(num_valid_blocks), "num_valid_blocks must be in [0, block_residual.size(1)=", C,
+                     "], got ", num_valid_blocks);
+  check_eps(eps, "eps");
+}
+
+void check_attn_res_backward_args(const at::Tensor& grad_out, const at::Tensor& prefix_sum,
+                                  const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                  const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps) {
+  check_attn_res_args(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
+  check_like_prefix(grad_out, "grad_out", prefix_sum);
+}
+
+void check_fused_attn_res_args(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                               const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                               const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                               int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                               c10::optional<double> out_norm_eps) {
+  check_attn_res_args(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
+  if (addend.has_value()) {
+    check_like_prefix(*addend, "addend", prefix_sum);
+  }
+  if (block_write_idx != -1) {
+    // The snapshot goes into free capacity: never over a valid block, never past the buffer.
+    const c10::SymInt& C = block_residual.sym_size(1);
+    TORCH_CHECK_VALUE(block_write_idx >= num_valid_blocks, "block_write_idx must be -1 (no snapshot) or in "
+                      "[num_valid_blocks=", num_valid_blocks, ", block_residual.size(1)=", C, "), got ", block_write_idx);
+    K3_SYM_CHECK_VALUE(C.sym_gt(block_write_idx), "block_write_idx must be -1 (no snapshot) or in [num_valid_blocks=",
+                       num_valid_blocks, ", block_residual.size(1)=", C, "), got ", block_write_idx);
+  }
+  if (out_norm_weight.has_value()) {
+    const at::Tensor& w = *out_norm_weight;
+    TORCH_CHECK_VALUE(w.dim() == 1, "out_norm_weight must be 1-D [H], got a ", w.dim(), "-D tensor of shape ",
+                      w.sym_sizes());
+    K3_SYM_CHECK_VALUE(w.sym_size(0).sym_eq(prefix_sum.sym_size(1)),
+                       "out_norm_weight.size(0) must equal prefix_sum.size(1)=", prefix_sum.sym_size(1),
+                       " (hidden size), got ", w.sym_size(0));
+    check_floating_weight(w, "out_norm_weight");
+    check_same_device(w, "out_norm_weight", prefix_sum);
+  } else {
+    TORCH_CHECK_VALUE(!out_norm_eps.has_value(), "out_norm_eps needs out_norm_weight (there is no output norm "
+                      "without it), got out_norm_eps=", out_norm_eps.value_or(0.0), " and out_norm_weight=None");
+  }
+  if (out_norm_eps.has_value()) {
+    check_eps(*out_norm_eps, "out_norm_eps");
+  }
+}
+
+}  // namespace k3_ops

@@ -1,0 +1,99 @@
+// The kimi_k3 operator library: every schema, defined once, and its Meta kernels.
+//
+// Registration flow (see also k3_ops/_registration.py):
+//   1. This translation unit is built into k3_ops._C. Importing k3_ops loads it, which runs the
+//      TORCH_LIBRARY block below (the schemas) and the Meta registrations.
+//   2. k3_ops/_registration.py then attaches the device kernels (CPU reference, CUDA and PrivateUse1
+//      Triton launchers) and autograd from Python. Nothing defines these schemas a second time.
+//
+// Meta kernels compute output metadata from symbolic sizes only (sym_sizes / empty_symint), so a
+// dynamic token count traces under torch.compile and torch.export. They run the same argument checks
+// as eager calls (checks.cpp), so bad input fails at trace time with the eager message.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "checks.h"
+
+namespace k3_ops {
+namespace {
+
+// FP64 inputs compute in FP64 (so gradcheck works); everything else in FP32.
+at::ScalarType compute_dtype(const at::Tensor& prefix_sum) {
+  return prefix_sum.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+at::Tensor new_like_prefix(const at::Tensor& prefix_sum) {
+  // A new contiguous [T, H] tensor, whatever the strides of prefix_sum.
+  return at::empty_symint(prefix_sum.sym_sizes(), prefix_sum.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+at::Tensor attn_res_meta(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
+                         const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks,
+                         double eps) {
+  check_attn_res_args(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
+  return new_like_prefix(prefix_sum);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_res_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& prefix_sum, const at::Tensor& block_residual,
+    const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+    std::array<bool, 3> output_mask) {
+  check_attn_res_backward_args(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
+  // Outputs that output_mask does not ask for are empty 1-D tensors, so no memory is spent on them.
+  auto nothing = [&](at::ScalarType dtype) {
+    return at::empty_symint({c10::SymInt(0)}, prefix_sum.options().dtype(dtype));
+  };
+  at::Tensor grad_prefix = output_mask[0] ? new_like_prefix(prefix_sum) : nothing(prefix_sum.scalar_type());
+  at::Tensor grad_blocks = output_mask[1]
+      ? at::empty_symint({prefix_sum.sym_size(0), block_residual.sym_size(1), prefix_sum.sym_size(1)},
+                         block_residual.options().memory_format(at::MemoryFormat::Contiguous))
+      : nothing(block_residual.scalar_type());
+  at::Tensor grad_w = output_mask[2]
+      ? at::empty_symint({prefix_sum.sym_size(1)}, prefix_sum.options().dtype(compute_dtype(prefix_sum)))
+      : nothing(compute_dtype(prefix_sum));
+  return {grad_prefix, grad_blocks, grad_w};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_attn_res_meta(
+    const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend, const at::Tensor& block_residual,
+    const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+    int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight, c10::optional<double> out_norm_eps) {
+  check_fused_attn_res_args(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                            block_write_idx, out_norm_weight, out_norm_eps);
+  // block_residual is mutated in place (Tensor(a!)): nothing to allocate for it.
+  return {new_like_prefix(prefix_sum), new_like_prefix(prefix_sum)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kimi_k3, m) {
+  // out[t] = sum_i softmax_i(rsqrt(mean(v_i^2) + eps) * <v_i, norm_weight * proj_weight>) * v_i over the
+  // candidates v_0..v_{K-1} = block_residual[t, :K] and v_K = prefix_sum[t]; see docs/attn_res.md.
+  m.def(
+      "attn_res(Tensor prefix_sum, Tensor block_residual, Tensor norm_weight, Tensor proj_weight, "
+      "int num_valid_blocks, float eps) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  // Gradients of attn_res, recomputed from the inputs. grad_weight is the gradient of the folded
+  // weight w = norm_weight * proj_weight in the compute dtype; autograd splits it into the two weights.
+  m.def(
+      "attn_res_backward(Tensor grad_out, Tensor prefix_sum, Tensor block_residual, Tensor norm_weight, "
+      "Tensor proj_weight, int num_valid_blocks, float eps, bool[3] output_mask) -> "
+      "(Tensor grad_prefix_sum, Tensor grad_block_residual, Tensor grad_weight)",
+      {at::Tag::pt2_compliant_tag});
+  // The serving variant: residual add, optional block snapshot (in place), mix, optional RMSNorm.
+  m.def(
+      "fused_attn_res(Tensor prefix_sum, Tensor? addend, Tensor(a!) block_residual, Tensor norm_weight, "
+      "Tensor proj_weight, int num_valid_blocks, float eps, int block_write_idx=-1, "
+      "Tensor? out_norm_weight=None, float? out_norm_eps=None) -> (Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+}
+
+TORCH_LIBRARY_IMPL(kimi_k3, Meta, m) {
+  m.impl("attn_res", &attn_res_meta);
+  m.impl("attn_res_backward", &attn_res_backward_meta);
+  m.impl("fused_attn_res", &fused_attn_res_meta);
+}
+
+}  // namespace k3_ops

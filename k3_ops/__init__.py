@@ -1,0 +1,14 @@
+"""k3_ops: Kimi K3 Block AttnRes as PyTorch custom ops (``torch.ops.kimi_k3``).
+
+Importing this package loads ``k3_ops._C`` (the schemas and Meta kernels, C++) and then
+``k3_ops._registration`` (device kernels and autograd, Python). Triton, torch_npu and triton-ascend
+are imported only when a kernel for their device first runs.
+"""
+from __future__ import annotations
+
+from . import _C  # noqa: F401  (defines the kimi_k3 schemas and Meta kernels)
+from . import _registration  # noqa: F401  (attaches CPU / CUDA / PrivateUse1 kernels)
+from .ops import apply_attn_res, attn_res
+
+__version__ = "0.1.0"
+__all__ = ["attn_res", "apply_attn_res", "__version__"]

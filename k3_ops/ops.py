@@ -1,0 +1,61 @@
+"""Typed Python entry points for the kimi_k3 ops. Each is a thin call into torch.ops.kimi_k3."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+__all__ = ["attn_res", "apply_attn_res"]
+
+
+def attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
+             proj_weight: torch.Tensor, num_valid_blocks: int, eps: float) -> torch.Tensor:
+    """Kimi K3 Block AttnRes: the softmax mix of the valid block snapshots and the running prefix.
+
+    Per token t, with candidates v_i = block_residual[t, i] for i < K and v_K = prefix_sum[t], in FP32:
+    ``s_i = rsqrt(mean(v_i^2) + eps) * sum(v_i * norm_weight * proj_weight)``, ``p = softmax(s)``,
+    ``out[t] = sum_i p_i v_i``.
+
+    Args:
+        prefix_sum: [T, H], bf16 / fp16 / fp32 / fp64, any strides. The running residual.
+        block_residual: [T, C, H], same dtype, any strides: a token-major [T, C, H] buffer or a
+            block-major [C, T, H] buffer passed as ``.transpose(0, 1)``; never copied. C is capacity;
+            only ``[:, :num_valid_blocks]`` is read.
+        norm_weight: [H], any floating dtype. The AttnRes RMSNorm weight (folded into the score).
+        proj_weight: [H] or [1, H] (an ``nn.Linear(H, 1)`` weight), any floating dtype.
+        num_valid_blocks: K, with 0 <= K <= C.
+        eps: RMSNorm epsilon, finite and > 0.
+
+    Returns:
+        A new contiguous [T, H] tensor of ``prefix_sum.dtype``; equal to ``prefix_sum`` when K = 0.
+    """
+    return torch.ops.kimi_k3.attn_res.default(prefix_sum, block_residual, norm_weight, proj_weight,
+                                               num_valid_blocks, eps)
+
+
+class _RMSNormLike(Protocol):
+    weight: torch.Tensor
+
+
+class _LinearLike(Protocol):
+    weight: torch.Tensor
+
+
+def _norm_eps(norm: _RMSNormLike) -> float:
+    for name in ("variance_epsilon", "eps"):
+        eps = getattr(norm, name, None)
+        if eps is not None:
+            return float(eps)
+    raise TypeError(f"norm must carry its epsilon as .variance_epsilon or .eps, got {type(norm).__name__} "
+                    "with neither")
+
+
+def apply_attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, proj: _LinearLike,
+                   norm: _RMSNormLike, num_valid_blocks: int) -> torch.Tensor:
+    """Drop-in for the serving engines' ``apply_attn_res(prefix_sum, block_residual, proj, norm, K)`` helper.
+
+    ``norm`` is an RMSNorm-like module (``.weight`` [H] and ``.variance_epsilon`` or ``.eps``); ``proj`` is
+    an ``nn.Linear(H, 1)``-like module (``.weight`` [1, H]). Equivalent to
+    ``attn_res(prefix_sum, block_residual, norm.weight, proj.weight, num_valid_blocks, eps)``.
+    """
+    return attn_res(prefix_sum, block_residual, norm.weight, proj.weight, num_valid_blocks, _norm_eps(norm))

@@ -1,0 +1,62 @@
+"""The one reference implementation of every kimi_k3 op, in plain PyTorch.
+
+These functions are the CPU kernels (registered in ``_registration.py``) *and* the test oracle: the
+"plain FP32 PyTorch formula" that the Triton kernels' accuracy contract is measured against. The
+``*_truth`` variants run the same math in float64 (no final rounding) and are what errors are measured
+from.
+
+Math per token (docs/attn_res.md): candidates v_0..v_{K-1} = block_residual[t, :K], v_K = prefix_sum[t];
+w = norm_weight * proj_weight (folded in the compute dtype);
+s_i = rsqrt(mean(v_i^2) + eps) * <v_i, w>;  p = softmax(s);  out = sum_i p_i v_i, cast to prefix_sum's dtype.
+Only the valid prefix block_residual[:, :K] is ever read: the slice is taken before any arithmetic.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "compute_dtype",
+    "attn_res_reference",
+    "attn_res_truth",
+]
+
+
+def compute_dtype(io_dtype: torch.dtype) -> torch.dtype:
+    """FP32 for bf16/fp16/fp32 I/O; FP64 for fp64 I/O (so that gradcheck is meaningful)."""
+    return torch.float64 if io_dtype == torch.float64 else torch.float32
+
+
+def _candidates(prefix_sum: torch.Tensor, block_residual: torch.Tensor, num_valid_blocks: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """[T, K+1, H] stack of the valid blocks and the prefix, in ``dtype``. Never reads slots >= K."""
+    valid = block_residual[:, :num_valid_blocks]
+    return torch.cat([valid, prefix_sum.unsqueeze(1)], dim=1).to(dtype)
+
+
+def _mix(v: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The math on an already-stacked [T, K+1, H] candidate tensor, in v's dtype."""
+    w = norm_weight.to(v.dtype) * proj_weight.reshape(-1).to(v.dtype)
+    r = torch.rsqrt(v.square().mean(dim=-1) + eps)  # [T, K+1]: RMSNorm *without* gamma
+    d = (v * w).sum(dim=-1)  # [T, K+1]
+    p = torch.softmax(r * d, dim=-1)  # over the K+1 candidates only
+    return (p.unsqueeze(-1) * v).sum(dim=1)  # raw values, not normalised ones
+
+
+def attn_res_reference(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
+                       proj_weight: torch.Tensor, num_valid_blocks: int, eps: float) -> torch.Tensor:
+    """kimi_k3::attn_res in FP32 PyTorch (FP64 for fp64 inputs). Returns a new contiguous [T, H] tensor."""
+    if num_valid_blocks == 0:
+        # One candidate: p = 1 exactly. Copy instead of computing so that the result is bit-exact even
+        # where the score itself would overflow (inf * 0 would poison p with NaN).
+        return prefix_sum.clone(memory_format=torch.contiguous_format)
+    v = _candidates(prefix_sum, block_residual, num_valid_blocks, compute_dtype(prefix_sum.dtype))
+    return _mix(v, norm_weight, proj_weight, eps).to(prefix_sum.dtype)
+
+
+def attn_res_truth(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
+                   proj_weight: torch.Tensor, num_valid_blocks: int, eps: float) -> torch.Tensor:
+    """The same math in float64 from the (exactly upcast) inputs, unrounded: the accuracy yardstick."""
+    if num_valid_blocks == 0:
+        return prefix_sum.to(torch.float64)
+    v = _candidates(prefix_sum, block_residual, num_valid_blocks, torch.float64)
+    return _mix(v, norm_weight.to(torch.float64), proj_weight.to(torch.float64), eps)
