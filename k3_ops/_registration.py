@@ -26,3 +26,76 @@ def _attn_res_cpu(prefix_sum, block_residual, norm_weight, proj_weight, num_vali
 
 
 _lib.impl("attn_res", _attn_res_cpu, "CPU")
+
+
+# --- fused_attn_res: the serving variant (issue 6) ------------------------------------------------------
+# Kernels take the schema's arguments in order; the dispatcher may drop trailing arguments that equal
+# their defaults, hence the defaults here.
+def _check_fused(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                 block_write_idx, out_norm_weight, out_norm_eps):
+    # Before anything is written: a rejected call leaves block_residual untouched.
+    _C.check_fused_attn_res(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                            block_write_idx, out_norm_weight, out_norm_eps)
+
+
+def _fused_attn_res_cpu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                        block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
+    args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+            out_norm_weight, out_norm_eps)
+    _check_fused(*args)
+    return reference.fused_attn_res_reference(*args)
+
+
+def _fused_attn_res_cuda(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                         block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
+    args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+            out_norm_weight, out_norm_eps)
+    _check_fused(*args)
+    from .backends import cuda  # lazy: importing k3_ops never imports triton
+
+    return cuda.fused_attn_res(*args)
+
+
+def _fused_attn_res_npu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                        block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
+    args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+            out_norm_weight, out_norm_eps)
+    _check_fused(*args)
+    from .backends import npu  # lazy: importing k3_ops never imports torch_npu or triton-ascend
+
+    return npu.fused_attn_res(*args)
+
+
+_FUSED_ARG_NAMES = [a.name for a in torch.ops.kimi_k3.fused_attn_res.default._schema.arguments]
+
+
+def _fused_attn_res_autograd(keyset, *args):
+    """fused_attn_res has no backward: it is the inference variant. Where autograd would have to record it
+    (grad mode on and an input requires grad) fail *before* anything is written, instead of returning
+    outputs that silently carry no gradient; otherwise run the device kernel below autograd (what opcheck
+    asks of a non-differentiable op)."""
+    if torch.is_grad_enabled():
+        needs_grad = [name for name, a in zip(_FUSED_ARG_NAMES, args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if needs_grad:
+            raise RuntimeError(
+                "kimi_k3::fused_attn_res is an inference op and has no backward, but "
+                f"{', '.join(needs_grad)} requires grad (with grad mode on); for training use k3_ops.attn_res "
+                "(differentiable) with the residual add, snapshot copy and RMSNorm as separate ops, or call "
+                "fused_attn_res under torch.no_grad() / torch.inference_mode()")
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.kimi_k3.fused_attn_res.default.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+
+def _fused_attn_res_inplace_or_view(keyset, *args):
+    # The schema's Tensor(a!): bump block_residual's version counter on every device, as torch does for its
+    # own in-place ops (a Triton store is invisible to autograd otherwise), then go on to the kernel.
+    torch.autograd.graph.increment_version(args[2])
+    return torch.ops.kimi_k3.fused_attn_res.default.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset,
+                                                               *args)
+
+
+_lib.impl("fused_attn_res", _fused_attn_res_cpu, "CPU")
+_lib.impl("fused_attn_res", _fused_attn_res_cuda, "CUDA")
+_lib.impl("fused_attn_res", _fused_attn_res_npu, "PrivateUse1")
+_lib.impl("fused_attn_res", _fused_attn_res_autograd, "Autograd", with_keyset=True)
+_lib.impl("fused_attn_res", _fused_attn_res_inplace_or_view, "ADInplaceOrView", with_keyset=True)

@@ -12,12 +12,16 @@ Only the valid prefix block_residual[:, :K] is ever read: the slice is taken bef
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 __all__ = [
     "compute_dtype",
     "attn_res_reference",
     "attn_res_truth",
+    "rms_norm_reference",
+    "fused_attn_res_reference",
 ]
 
 
@@ -60,3 +64,43 @@ def attn_res_truth(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_
         return prefix_sum.to(torch.float64)
     v = _candidates(prefix_sum, block_residual, num_valid_blocks, torch.float64)
     return _mix(v, norm_weight.to(torch.float64), proj_weight.to(torch.float64), eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm that follows every mix: ``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, in FP32
+    (FP64 for fp64 x) from the dtype-rounded ``x``, cast back to ``x.dtype``."""
+    xc = x.to(compute_dtype(x.dtype))
+    y = xc * torch.rsqrt(xc.square().mean(dim=-1, keepdim=True) + eps) * weight.to(xc.dtype)
+    return y.to(x.dtype)
+
+
+def fused_attn_res_reference(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                             norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int,
+                             eps: float, block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                             out_norm_eps: float | None = None, *,
+                             attn_res_fn: Callable[..., torch.Tensor] = attn_res_reference,
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res as the unfused pipeline, with the rounding points of docs/fused_attn_res.md.
+
+    Writes ``block_residual[:, block_write_idx]`` in place when ``block_write_idx >= 0``; nothing else is
+    written. ``attn_res_fn`` computes the mix: this module's formula for the CPU kernel, the device's
+    attn_res launcher where a device falls back to this composition (so that ``out`` equals that device's
+    ``attn_res(new_prefix, ...)`` bit for bit). Returns ``(out, new_prefix)``, both new contiguous [T, H].
+    """
+    # The residual add is torch's own elementwise add, rounded to the I/O dtype: exactly what the unfused
+    # `prefix + addend` produces. new_prefix is always a fresh tensor, never an alias of prefix_sum.
+    new_prefix = torch.empty_like(prefix_sum, memory_format=torch.contiguous_format)
+    if addend is None:
+        new_prefix.copy_(prefix_sum)
+    else:
+        torch.add(prefix_sum, addend, out=new_prefix)
+    if block_write_idx >= 0:
+        # The snapshot lands in free capacity (block_write_idx >= num_valid_blocks), so the mix below never
+        # reads it: the order of snapshot and mix does not matter.
+        block_residual[:, block_write_idx].copy_(new_prefix)
+    mix = attn_res_fn(new_prefix, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+    if out_norm_weight is None:
+        return mix, new_prefix
+    # mix is already rounded to the I/O dtype (the unfused attn_res output), so the norm sees what the
+    # unfused pipeline's RMSNorm sees.
+    return rms_norm_reference(mix, out_norm_weight, eps if out_norm_eps is None else out_norm_eps), new_prefix
