@@ -5,7 +5,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["attn_res", "apply_attn_res"]
+__all__ = ["attn_res", "apply_attn_res", "fused_attn_res"]
 
 
 def attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -31,6 +31,52 @@ def attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight
     """
     return torch.ops.kimi_k3.attn_res.default(prefix_sum, block_residual, norm_weight, proj_weight,
                                                num_valid_blocks, eps)
+
+
+def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                   norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float, *,
+                   block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                   out_norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The serving variant of :func:`attn_res`: residual add, block snapshot, mix and the following RMSNorm.
+
+    Computes, with the rounding points of docs/fused_attn_res.md::
+
+        new_prefix = prefix_sum + addend                       # rounded to the I/O dtype (torch's own add)
+        if block_write_idx >= 0:
+            block_residual[:, block_write_idx] = new_prefix    # IN PLACE: the block snapshot
+        mix = attn_res(new_prefix, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+        out = mix if out_norm_weight is None else rms_norm(mix, out_norm_weight, out_norm_eps)
+
+    Args:
+        prefix_sum: [T, H], bf16 / fp16 / fp32 / fp64, any strides. The running residual; never written.
+        addend: [T, H] like prefix_sum (same dtype and device), any strides, or None (no add; new_prefix is
+            then a copy of prefix_sum). The sublayer output to add; never written.
+        block_residual: [T, C, H], prefix_sum's dtype, any strides: a token-major [T, C, H] buffer or a
+            block-major [C, T, H] buffer passed as ``.transpose(0, 1)``; never copied. Only
+            ``[:, :num_valid_blocks]`` is read; only ``[:, block_write_idx]`` is written (mutated in place,
+            its version counter is bumped), every other byte is left as it was.
+        norm_weight: [H], any floating dtype. The AttnRes RMSNorm weight (folded into the score).
+        proj_weight: [H] or [1, H] (an ``nn.Linear(H, 1)`` weight), any floating dtype.
+        num_valid_blocks: K, with 0 <= K <= C.
+        eps: the AttnRes RMSNorm epsilon, finite and > 0.
+        block_write_idx: -1 (no snapshot) or the free slot to snapshot new_prefix into,
+            ``num_valid_blocks <= block_write_idx < C``. The snapshot is not one of this call's candidates;
+            pass ``num_valid_blocks + 1`` to the next call to include it.
+        out_norm_weight: [H], any floating dtype, or None (out is the mix). The weight of the RMSNorm that
+            follows the mix (e.g. the next input_layernorm); the norm runs in FP32 on the mix rounded to the
+            I/O dtype.
+        out_norm_eps: that norm's epsilon, finite and > 0; None means ``eps``. Needs ``out_norm_weight``.
+
+    Returns:
+        ``(out, new_prefix)``: two new contiguous [T, H] tensors of ``prefix_sum.dtype``. new_prefix is the
+        running residual for the next layer (never an alias of prefix_sum).
+
+    Inference only: with grad mode on and any input requiring grad it raises (use :func:`attn_res` for
+    training). Bad arguments raise before anything is written.
+    """
+    return torch.ops.kimi_k3.fused_attn_res.default(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                                     num_valid_blocks, eps, block_write_idx, out_norm_weight,
+                                                     out_norm_eps)
 
 
 class _RMSNormLike(Protocol):
