@@ -1,0 +1,366 @@
+"""CUDA launch policy for the kimi_k3 Triton kernels (NVIDIA GPUs; also drives the kernels under
+``TRITON_INTERPRET=1`` on CPU tensors, which is how CI tests this policy without a GPU).
+
+Forward (``attn_res_forward``), two kernel paths from ``k3_ops.kernels.attn_res_fwd``:
+
+- **rows** (large T): one program per token (``tokens_per_prog`` tokens per program), a [next_pow2(H)] hidden
+  tile with ``cols < H`` masks, a run-time loop over the K + 1 candidates with an online softmax. Each candidate
+  row is read once in its native dtype; the output row is written once. Any K.
+- **split** (small T, K + 1 <= 16): H split into P = cdiv(H, chunk) programs per token, each holding a
+  [K_PAD, chunk] tile of all candidates in registers; partial (sum v^2, <v, w>) per chunk meet in a tiny fp32
+  workspace. Default: one launch with a per-token spin barrier that resets itself (CUDA-graph safe). The grid
+  must be co-resident for a spin barrier, so the path is taken only when T * P <= (SM count x
+  ``split_ctas_per_sm``). ``K3_OPS_SPLIT_TWO_LAUNCH=1`` (or the interpreter, which runs programs one after
+  another) uses two launches instead (partials, then combine + output) with identical results.
+
+Launch table: ``LAUNCH_TABLE`` maps (T bucket, K bucket) -> ``LaunchConfig``; buckets are the powers of two in
+``T_BUCKETS`` / ``K_BUCKETS`` (a value goes to the first bucket >= it). Benchmarks override an entry with
+``set_launch_config`` or bypass the table with ``attn_res_forward(..., config=LaunchConfig(...))``.
+Compile keys are (dtype, kernel, BLOCK_H or chunk, K_PAD, VEC, num_warps, tokens_per_prog, PHASE, H_STRIDED):
+small and enumerable, and ``warmup`` compiles every one the table can pick for a model, before graph capture.
+
+Layouts: ``prefix_sum`` and ``block_residual`` are read in place at any token / block strides (token-major
+[T, C, H] and block-major [C, T, H].transpose(0, 1) views alike); the output is a new contiguous [T, H].
+Unit hidden stride is the fast path. A non-unit hidden stride is handled correctly through the
+``H_STRIDED`` constexpr (a separate, slower compiled variant, compiled on first use, not by ``warmup``).
+
+Concurrency: the split path's workspace is one per device. Two split-path launches running concurrently on
+two streams of one device would share its counters; serialise such calls (the usual single compute stream
+of a serving engine, and CUDA graphs replayed on it, are fine).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..kernels import attn_res_fwd as _fwd
+from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
+
+__all__ = [
+    "LaunchConfig",
+    "T_BUCKETS",
+    "K_BUCKETS",
+    "LAUNCH_TABLE",
+    "INTERPRETER_NUM_SMS",
+    "bucket",
+    "set_launch_config",
+    "choose_config",
+    "num_sms",
+    "use_interpreter",
+    "split_two_launch",
+    "attn_res_forward",
+    "warmup",
+]
+
+# --------------------------------------------------------------------------------------------------------------
+# Common helpers (shared with the backward / fused launch functions added to this module).
+# --------------------------------------------------------------------------------------------------------------
+#: SM count assumed when the kernels run under the Triton interpreter (CPU tensors): an H200's, so the
+#: interpreter exercises the same path choices as the GPU the lead benchmarks on.
+INTERPRETER_NUM_SMS = 132
+
+_num_sms_cache: dict[int, int] = {}
+
+
+def use_interpreter(t: torch.Tensor) -> bool:
+    """True when kernels on ``t`` run under the Triton interpreter (TRITON_INTERPRET=1, or a CPU tensor)."""
+    return t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming-multiprocessor count of ``device``, read once per device and cached."""
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _num_sms_cache.get(index)
+    if n is None:
+        n = _num_sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
+def split_two_launch(t: torch.Tensor) -> bool:
+    """Whether the split path runs as two launches (no spin barrier).
+
+    Always under the interpreter (it runs programs one after another, so a spin barrier would hang), and on a
+    GPU when ``K3_OPS_SPLIT_TWO_LAUNCH=1``: the opt-out for deployments that cannot guarantee co-residency of
+    a launch's programs (e.g. SMs partitioned away by MPS/green contexts while the kernel runs)."""
+    return use_interpreter(t) or os.environ.get("K3_OPS_SPLIT_TWO_LAUNCH", "0") == "1"
+
+
+def _device_guard(t: torch.Tensor):
+    # Triton launches on the *current* device; make it the tensors' device.
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return _NullContext()
+
+
+class _NullContext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launch table.
+# --------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One launch-table entry.
+
+    kernel: "rows" or "split".
+    num_warps: warps per program; None derives it from the tile size (see ``_rows_warps`` / ``_split_warps``).
+    tokens_per_prog: rows path only, tokens handled by one program (weights loaded once for all of them).
+    chunk: split path only, hidden elements per program (power of two); the policy may double it (up to
+        ``max_chunk``) to keep T * cdiv(H, chunk) co-resident, and falls back to rows if that is impossible.
+    split_ctas_per_sm: split path only, programs per SM assumed co-resident (1 is always safe).
+    """
+
+    kernel: str = "rows"
+    num_warps: int | None = None
+    tokens_per_prog: int = 1
+    chunk: int = 512
+    max_chunk: int = 2048
+    split_ctas_per_sm: int = 1
+
+    def __post_init__(self):
+        if self.kernel not in ("rows", "split"):
+            raise ValueError(f"LaunchConfig.kernel must be 'rows' or 'split', got {self.kernel!r}")
+        for name in ("chunk", "max_chunk"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"LaunchConfig.{name} must be a power of two >= 16, got {v}")
+        if self.tokens_per_prog < 1:
+            raise ValueError(f"LaunchConfig.tokens_per_prog must be >= 1, got {self.tokens_per_prog}")
+        if self.split_ctas_per_sm < 1:
+            raise ValueError(f"LaunchConfig.split_ctas_per_sm must be >= 1, got {self.split_ctas_per_sm}")
+
+
+T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 62)
+K_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 1 << 62)
+#: Split path only while K + 1 fits the [K_PAD, chunk] register tile.
+SPLIT_MAX_CANDIDATES = 16
+
+
+def bucket(value: int, buckets: tuple[int, ...]) -> int:
+    """The first bucket bound >= value."""
+    for b in buckets:
+        if value <= b:
+            return b
+    return buckets[-1]
+
+
+def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
+    # Tunable defaults (the lead tunes them on the H200 with k3_ops.bench). Small T: split H across programs so
+    # that more SMs pull memory for one token; large T: one token per program already fills the GPU.
+    if t_bucket <= 64 and k_bucket + 1 <= SPLIT_MAX_CANDIDATES:
+        return LaunchConfig(kernel="split", chunk=512)
+    return LaunchConfig(kernel="rows", tokens_per_prog=1)
+
+
+LAUNCH_TABLE: dict[tuple[int, int], LaunchConfig] = {
+    (tb, kb): _default_entry(tb, kb) for tb in T_BUCKETS for kb in K_BUCKETS
+}
+_table_lock = threading.Lock()
+
+
+def set_launch_config(t_bucket: int, k_bucket: int, config: LaunchConfig) -> LaunchConfig:
+    """Replace one table entry (for tuning); returns the previous one. Buckets must be in T_BUCKETS/K_BUCKETS."""
+    if t_bucket not in T_BUCKETS or k_bucket not in K_BUCKETS:
+        raise ValueError(f"(t_bucket, k_bucket) must come from T_BUCKETS={T_BUCKETS} and K_BUCKETS={K_BUCKETS}, "
+                         f"got ({t_bucket}, {k_bucket})")
+    with _table_lock:
+        old = LAUNCH_TABLE[(t_bucket, k_bucket)]
+        LAUNCH_TABLE[(t_bucket, k_bucket)] = config
+    return old
+
+
+def _rows_warps(block_h: int) -> int:
+    return min(16, max(4, block_h // 1024))
+
+
+def _split_warps(k_pad: int, chunk: int) -> int:
+    # About 64 fp32 tile values per thread.
+    return min(16, max(1, (k_pad * chunk) // (64 * 32)))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A table entry resolved for one shape: exactly what is launched (the compile key lives here)."""
+
+    kernel: str
+    num_warps: int
+    block_h: int = 0  # rows
+    tokens_per_prog: int = 1  # rows
+    chunk: int = 0  # split
+    k_pad: int = 0  # split
+    p: int = 0  # split: programs per token
+    p_pad: int = 0  # split
+
+
+def choose_config(T: int, K: int, H: int, device: torch.device, config: LaunchConfig | None = None) -> _Plan:
+    """Resolve the launch for a shape: the table entry for (bucket(T), bucket(K)), or ``config`` if given,
+    with the split path's co-residency rule applied (falls back to rows when it cannot hold)."""
+    if config is None:
+        config = LAUNCH_TABLE[(bucket(T, T_BUCKETS), bucket(max(K, 1), K_BUCKETS))]
+    if config.kernel == "split" and K + 1 <= SPLIT_MAX_CANDIDATES:
+        k_pad = next_power_of_2(K + 1)
+        budget = num_sms(device) * config.split_ctas_per_sm
+        chunk = min(config.chunk, next_power_of_2(H))
+        while T * triton.cdiv(H, chunk) > budget and chunk < min(config.max_chunk, next_power_of_2(H)):
+            chunk *= 2
+        p = triton.cdiv(H, chunk)
+        if T * p <= budget:
+            return _Plan("split", config.num_warps or _split_warps(k_pad, chunk), chunk=chunk, k_pad=k_pad, p=p,
+                         p_pad=next_power_of_2(p))
+    block_h = next_power_of_2(H)
+    return _Plan("rows", config.num_warps or _rows_warps(block_h), block_h=block_h,
+                 tokens_per_prog=config.tokens_per_prog)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Split-path workspace: allocated once per device (warmup allocates it, so graph capture never does).
+# --------------------------------------------------------------------------------------------------------------
+class _Workspace:
+    def __init__(self, device: torch.device, tokens: int, floats_per_token: int):
+        self.tokens = tokens
+        self.floats_per_token = floats_per_token
+        # Counters start at zero once; the one-launch kernel returns them to zero itself.
+        self.counters = torch.zeros(2 * tokens, dtype=torch.int32, device=device)
+        self.partials = torch.empty(tokens * floats_per_token, dtype=torch.float32, device=device)
+
+
+_workspaces: dict[torch.device, _Workspace] = {}
+_ws_lock = threading.Lock()
+
+
+def _workspace(device: torch.device, tokens: int, floats_per_token: int) -> _Workspace:
+    key = torch.device(device.type, device.index if device.index is not None or device.type != "cuda"
+                       else torch.cuda.current_device())
+    ws = _workspaces.get(key)
+    if ws is not None and ws.tokens >= tokens and ws.floats_per_token >= floats_per_token:
+        return ws
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"attn_res split-path workspace on {key} is too small for {tokens} tokens x "
+                           f"{floats_per_token} floats and cannot be allocated during CUDA-graph capture; call "
+                           "k3_ops.warmup(hidden_size, dtype) for this model before capturing")
+    with _ws_lock:
+        old = _workspaces.get(key)
+        tokens = max(tokens, old.tokens if old else 0, num_sms(device) * 4)
+        floats_per_token = max(floats_per_token, old.floats_per_token if old else 0)
+        ws = _workspaces[key] = _Workspace(key, tokens, floats_per_token)
+    return ws
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Forward.
+# --------------------------------------------------------------------------------------------------------------
+def attn_res_forward(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
+                     proj_weight: torch.Tensor, num_valid_blocks: int, eps: float, *,
+                     config: LaunchConfig | None = None) -> torch.Tensor:
+    """kimi_k3::attn_res on CUDA tensors (or CPU tensors under the Triton interpreter).
+
+    Args (already checked by ``k3_ops._C.check_attn_res``):
+        prefix_sum: [T, H] bf16/fp16/fp32 (fp64 goes to the reference), any strides.
+        block_residual: [T, C, H] same dtype, any strides (token-major or block-major view); only slots < K read.
+        norm_weight: [H]; proj_weight: [H] or [1, H]; any floating dtype (non bf16/fp16/fp32 cast to fp32).
+        num_valid_blocks: K in [0, C]. eps: > 0.
+        config: bypass the launch table (benchmarks / tuning); None uses ``LAUNCH_TABLE``.
+    Returns: a new contiguous [T, H] tensor of prefix_sum.dtype.
+    """
+    out = trivial_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+    if out is not None:
+        return out
+    T, H = prefix_sum.shape
+    K = int(num_valid_blocks)
+    nw, pw = prepare_weights(norm_weight, proj_weight)
+    out = torch.empty((T, H), dtype=prefix_sum.dtype, device=prefix_sum.device)
+    plan = choose_config(T, K, H, prefix_sum.device, config)
+    _launch_forward(plan, prefix_sum, block_residual, nw, pw, out, K, float(eps))
+    return out
+
+
+def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int, eps: float) -> None:
+    T, H = prefix_sum.shape
+    h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2))
+    vec = stride_vec(prefix_sum.dtype, (prefix_sum.stride(0), block_residual.stride(0), block_residual.stride(1),
+                                        out.stride(0)))
+    strides = (prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
+               block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec)
+    with _device_guard(prefix_sum):
+        if plan.kernel == "rows":
+            grid = (triton.cdiv(T, plan.tokens_per_prog),)
+            _fwd.attn_res_rows_kernel[grid](
+                prefix_sum, block_residual, nw, pw, out, T, K, H, eps, *strides,
+                BLOCK_H=plan.block_h, TOKENS_PER_PROG=plan.tokens_per_prog, VEC=vec, H_STRIDED=h_strided,
+                num_warps=plan.num_warps)
+            return
+        ws = _workspace(prefix_sum.device, T, plan.p_pad * 2 * plan.k_pad)
+        grid = (plan.p, T)
+        common = dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, VEC=vec, H_STRIDED=h_strided,
+                      num_warps=plan.num_warps)
+        args = (prefix_sum, block_residual, nw, pw, out, ws.partials, ws.counters, T, K, H, eps, *strides)
+        if split_two_launch(prefix_sum):
+            _fwd.attn_res_split_kernel[grid](*args, PHASE=1, **common)
+            _fwd.attn_res_split_kernel[grid](*args, PHASE=2, **common)
+        else:
+            _fwd.attn_res_split_kernel[grid](*args, PHASE=0, **common)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Warm-up: compile every key the table can pick, allocate the workspace (before CUDA-graph capture).
+# --------------------------------------------------------------------------------------------------------------
+def _warmup_plans(device: torch.device, H: int, max_num_valid_blocks: int,
+                  max_num_tokens: int) -> dict[_Plan, tuple[int, int]]:
+    """Every distinct plan (compile key) the table picks for T in 1..max_num_tokens and K in 1..max K, each
+    with an example (T, K): the largest T for split plans (it sizes the workspace), the smallest otherwise."""
+    with _table_lock:
+        ctas = max(cfg.split_ctas_per_sm for cfg in LAUNCH_TABLE.values())
+    # A split plan needs T * P <= SMs * ctas; past that only the bucket bounds can change the plan.
+    ts = set(range(1, min(max_num_tokens, num_sms(device) * ctas) + 1))
+    ts.update(b for b in T_BUCKETS if b <= max_num_tokens)
+    ts.add(max_num_tokens)
+    plans: dict[_Plan, tuple[int, int]] = {}
+    for K in range(1, max_num_valid_blocks + 1):
+        for T in sorted(ts):
+            plan = choose_config(T, K, H, device)
+            if plan not in plans or (plan.kernel == "split" and plans[plan][0] < T):
+                plans[plan] = (T, K)
+    return plans
+
+
+def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
+           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536) -> int:
+    """Compile every launch-table key for one model before CUDA-graph capture; returns the number of plans run.
+
+    Each distinct plan (compile key) that the table can pick for T in 1..max_num_tokens and K in
+    1..max_num_valid_blocks runs once on a small zero-filled token-major problem, which compiles it and also
+    allocates the split-path workspace (at its largest size). Buffers whose token / block strides are
+    multiples of 16 bytes (every token-major or block-major buffer when H * itemsize is) share these kernels.
+    fp64 runs the reference: nothing to compile. Re-run after changing ``LAUNCH_TABLE`` or
+    ``K3_OPS_SPLIT_TWO_LAUNCH``.
+    """
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return 0
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    H = int(hidden_size)
+    plans = _warmup_plans(device, H, max_num_valid_blocks, max_num_tokens)
+    with torch.no_grad():
+        w = torch.ones(H, dtype=torch.float32, device=device)
+        for plan, (T, K) in plans.items():
+            prefix = torch.zeros((T, H), dtype=dtype, device=device)
+            blocks = torch.zeros((T, K, H), dtype=dtype, device=device)
+            out = torch.empty((T, H), dtype=dtype, device=device)
+            _launch_forward(plan, prefix, blocks, w, w, out, K, 1e-6)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(plans)

@@ -1,0 +1,239 @@
+"""Ascend NPU launch policy (PrivateUse1, ``torch_npu`` + triton-ascend) for the kimi_k3 Triton kernels.
+
+Importing this module imports triton (triton-ascend on an Ascend host) but never torch_npu: the device
+properties are read through triton-ascend's driver first, torch_npu second, both lazily. With torch_npu
+installed but no Ascend runtime, even ``import torch`` fails unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``.
+
+Configuration (forward, ``attn_res_forward``), kernel ``attn_res_npu_kernel``:
+
+- grid = the device's vector-core count (``num_vectorcore`` from
+  ``triton.runtime.driver.active.utils.get_device_properties``, else torch_npu's device properties, else
+  ``FALLBACK_NUM_VECTOR_CORES`` = 48, an Atlas A2 / 910B's 24 AI cores x 2 vector cores; a wrong guess only
+  costs an extra wave or idle cores, never correctness); program p walks the contiguous token range
+  [p * ceil(T / cores), (p + 1) * ceil(T / cores)).
+- per token, two passes over H in [K_PAD, BLOCK_H] tiles (K_PAD = next_power_of_2(K + 1), a compile-time
+  constant; K itself, the model-level ``num_valid_blocks``, is a runtime argument): pass 1 accumulates
+  sum(v^2) and <v, w> per candidate, then the softmax; pass 2 re-reads the tiles and writes the output chunk.
+- ``multibuffer=True`` (double-buffered loads) only under triton-ascend: plain Triton rejects unknown launch
+  options.
+
+Cost model (no figure is claimed without hardware): bytes moved per token = (2 (K + 1) + 1) * H * itemsize
+(every candidate row read twice, the output written once) + weights from L2. Two reads instead of one because
+a [K + 1, H] working set (H = 7168: 16 x 7168 x 4 B = 458 KB in FP32) cannot stay in a vector core's ~192 KB
+Unified Buffer; the local-buffer budget per tile is computed in ``npu_block_h`` (comment there).
+
+Test seam (explicit, documented in docs/kernels.md): ``SEAM.raw_tensor`` maps a PrivateUse1 tensor to the
+tensor handed to Triton (identity on real hardware; the simulated NPU of tests/test_npu_simulated.py returns
+the CPU tensor backing its wrapper), and ``SEAM.num_vector_cores`` overrides the vector-core query. Use
+``substitute(...)`` to set them for a block of code.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..kernels import attn_res_fwd as _fwd
+from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
+
+__all__ = [
+    "FALLBACK_NUM_VECTOR_CORES",
+    "UB_BUDGET_BYTES",
+    "Seam",
+    "SEAM",
+    "substitute",
+    "raw",
+    "num_vector_cores",
+    "is_triton_ascend",
+    "launch_options",
+    "npu_block_h",
+    "attn_res_forward",
+    "warmup",
+]
+
+# --------------------------------------------------------------------------------------------------------------
+# Common helpers (shared with the backward / fused launch functions added to this module).
+# --------------------------------------------------------------------------------------------------------------
+FALLBACK_NUM_VECTOR_CORES = 48
+
+#: Bytes of the vector core's ~192 KB Unified Buffer that one program's tiles may use; the rest is left to the
+#: compiler (scalars, masks, index vectors, reduction scratch).
+UB_BUDGET_BYTES = 160 * 1024
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass
+class Seam:
+    """What tests may substitute. raw_tensor: PrivateUse1 tensor -> tensor handed to Triton (its data_ptr and
+    strides are used). num_vector_cores: device -> vector-core count, or None to query the device."""
+
+    raw_tensor: Callable[[torch.Tensor], torch.Tensor] = _identity
+    num_vector_cores: Callable[[torch.device], int] | None = None
+
+
+SEAM = Seam()
+
+
+@contextlib.contextmanager
+def substitute(raw_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               num_vector_cores: Callable[[torch.device], int] | None = None) -> Iterator[Seam]:
+    """Temporarily replace parts of ``SEAM`` (tests); restores the previous seam on exit."""
+    saved = (SEAM.raw_tensor, SEAM.num_vector_cores)
+    if raw_tensor is not None:
+        SEAM.raw_tensor = raw_tensor
+    if num_vector_cores is not None:
+        SEAM.num_vector_cores = num_vector_cores
+    try:
+        yield SEAM
+    finally:
+        SEAM.raw_tensor, SEAM.num_vector_cores = saved
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor handed to Triton for ``t`` (through the seam)."""
+    return SEAM.raw_tensor(t)
+
+
+def use_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def is_triton_ascend() -> bool:
+    """True when the installed triton is triton-ascend (its Ascend backend is present and active)."""
+    from importlib.util import find_spec
+
+    for name in ("triton.backends.ascend", "triton.backends.cann"):
+        try:
+            if find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            pass
+    try:
+        return triton.runtime.driver.active.get_current_target().backend in ("npu", "ascend", "cann")
+    except Exception:  # no active driver (CPU-only host, interpreter): not triton-ascend
+        return False
+
+
+def launch_options() -> dict:
+    """Extra launch keyword arguments: ``multibuffer=True`` under triton-ascend only (never in the interpreter,
+    which, like plain Triton, rejects unknown options)."""
+    return {"multibuffer": True} if is_triton_ascend() and not use_interpreter() else {}
+
+
+_vector_core_cache: dict[int, int] = {}
+
+
+def num_vector_cores(device: torch.device) -> int:
+    """Vector-core count of ``device``: the seam, else triton-ascend's driver, else torch_npu's device
+    properties, else FALLBACK_NUM_VECTOR_CORES. Cached per device index."""
+    if SEAM.num_vector_cores is not None:
+        return int(SEAM.num_vector_cores(device))
+    index = device.index if device.index is not None else 0
+    n = _vector_core_cache.get(index)
+    if n is not None:
+        return n
+    n = 0
+    try:
+        n = int(triton.runtime.driver.active.utils.get_device_properties(index).get("num_vectorcore", 0))
+    except Exception:
+        n = 0
+    if n <= 0:
+        try:
+            import torch_npu  # noqa: F401  (lazy: only on an Ascend host)
+
+            n = int(getattr(torch.npu.get_device_properties(index), "vector_core_num", 0) or 0)
+        except Exception:
+            n = 0
+    if n <= 0:
+        n = FALLBACK_NUM_VECTOR_CORES
+    _vector_core_cache[index] = n
+    return n
+
+
+def npu_block_h(H: int, k_pad: int, itemsize: int) -> int:
+    """Largest power-of-two hidden tile (<= next_pow2(H), >= 16) whose working set fits UB_BUDGET_BYTES.
+
+    Bytes per tile column: the [K_PAD] candidate values loaded in the I/O dtype, double-buffered by
+    multibuffer (2 * itemsize), converted to FP32 (4) and one FP32 product temporary (x * x, x * w or p * x: 4),
+    so K_PAD * (2 * itemsize + 8); plus the prefix row (2 * itemsize + 4), the two weight rows and the folded w
+    (3 * 4) and the output row (4 + itemsize). bf16, K_PAD = 16 (K <= 15): 212 B per column -> BLOCK_H = 512
+    (106 KB); K_PAD = 8: 116 B -> 1024 (116 KB).
+    """
+    per_col = k_pad * (2 * itemsize + 8) + (2 * itemsize + 4) + 12 + (4 + itemsize)
+    limit = next_power_of_2(H)
+    block = 16
+    while block * 2 <= limit and block * 2 * per_col <= UB_BUDGET_BYTES:
+        block *= 2
+    return min(block, max(16, limit))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Forward.
+# --------------------------------------------------------------------------------------------------------------
+def attn_res_forward(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
+                     proj_weight: torch.Tensor, num_valid_blocks: int, eps: float) -> torch.Tensor:
+    """kimi_k3::attn_res on Ascend NPU (PrivateUse1) tensors.
+
+    Args (already checked by ``k3_ops._C.check_attn_res``):
+        prefix_sum: [T, H] bf16/fp16/fp32 (fp64 goes to the reference), any strides.
+        block_residual: [T, C, H] same dtype, any strides (token-major or block-major view); only slots < K read.
+        norm_weight: [H]; proj_weight: [H] or [1, H]; any floating dtype (non bf16/fp16/fp32 cast to fp32).
+        num_valid_blocks: K in [0, C]. eps: > 0.
+    Returns: a new contiguous [T, H] tensor of prefix_sum.dtype on prefix_sum's device.
+    """
+    out = trivial_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+    if out is not None:
+        return out
+    T, H = prefix_sum.shape
+    nw, pw = prepare_weights(norm_weight, proj_weight)
+    out = torch.empty((T, H), dtype=prefix_sum.dtype, device=prefix_sum.device)
+    _launch_forward(raw(prefix_sum), raw(block_residual), raw(nw), raw(pw), raw(out), int(num_valid_blocks),
+                    float(eps), num_vector_cores(prefix_sum.device))
+    return out
+
+
+def _launch_forward(prefix_sum, block_residual, nw, pw, out, K: int, eps: float, cores: int) -> None:
+    T, H = prefix_sum.shape
+    k_pad = next_power_of_2(K + 1)
+    block_h = npu_block_h(H, k_pad, prefix_sum.element_size())
+    h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2))
+    vec = stride_vec(prefix_sum.dtype, (prefix_sum.stride(0), block_residual.stride(0), block_residual.stride(1),
+                                        out.stride(0)))
+    grid_size = max(1, min(cores, T))
+    tokens_per_prog = triton.cdiv(T, grid_size)
+    _fwd.attn_res_npu_kernel[(grid_size,)](
+        prefix_sum, block_residual, nw, pw, out, T, K, H, eps, tokens_per_prog,
+        prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
+        block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec,
+        BLOCK_H=block_h, K_PAD=k_pad, VEC=vec, H_STRIDED=h_strided, **launch_options())
+
+
+def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
+           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536) -> int:
+    """Compile every NPU compile key for one model (one per K_PAD for K in 1..max_num_valid_blocks) before graph
+    capture; returns the number of launches. ``max_num_tokens`` is accepted for symmetry with the CUDA backend:
+    the token count never enters a compile key here."""
+    del max_num_tokens
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return 0
+    device = torch.device(device if device is not None else "npu")
+    H = int(hidden_size)
+    k_pads: dict[int, int] = {}
+    for K in range(1, max_num_valid_blocks + 1):
+        k_pads.setdefault(next_power_of_2(K + 1), K)
+    with torch.no_grad():
+        w = torch.ones(H, dtype=torch.float32, device=device)
+        for K in k_pads.values():
+            prefix = torch.zeros((1, H), dtype=dtype, device=device)
+            blocks = torch.zeros((1, K, H), dtype=dtype, device=device)
+            attn_res_forward(prefix, blocks, w, w, K, 1e-6)
+    return len(k_pads)

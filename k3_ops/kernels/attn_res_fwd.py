@@ -1,0 +1,245 @@
+"""Forward kernels of kimi_k3::attn_res (@triton.jit code only; launch policies live in k3_ops/backends/).
+
+Per token, in FP32: v_i = block_residual[t, i] (i < K), v_K = prefix_sum[t], w = norm_weight * proj_weight,
+s_i = rsqrt(mean(v_i^2) + eps) * <v_i, w>, p = softmax(s), out[t] = sum_i p_i v_i (docs/kernels.md).
+
+Three kernels share the helpers below:
+
+- ``attn_res_rows_kernel`` (CUDA, large T): one program per token (``TOKENS_PER_PROG`` tokens per program),
+  a [BLOCK_H] hidden tile, a RUN-time loop over the K + 1 candidates with an online softmax; each candidate
+  row is read exactly once, software-pipelined by hand (row i + 1 is loaded before row i is reduced).
+- ``attn_res_split_kernel`` (CUDA, small T): H split across P = cdiv(H, CHUNK) programs per token, each
+  holding a [K_PAD, CHUNK] tile of all candidates; partial (ss, d) go through a small fp32 workspace and a
+  per-token, self-resetting spin barrier (PHASE 0) or through two launches (PHASE 1 then PHASE 2).
+- ``attn_res_npu_kernel`` (Ascend, triton-ascend): one program per vector core walking a contiguous token
+  range; [K_PAD, BLOCK_H] tiles; two passes over H per token (statistics, then output).
+
+Recompile safety: token counts, K and every stride are runtime arguments listed in ``do_not_specialize``
+(Triton would otherwise specialise ints equal to 1 or divisible by 16, i.e. recompile per token count).
+Token/block strides arrive divided by the constexpr ``VEC`` and are multiplied back here, so the compiler
+still knows every row starts on a VEC-element (16-byte) boundary and emits vector loads. Row offsets are
+formed in int64 (T * token stride exceeds 2^31 at prefill sizes).
+
+Hidden stride: ``H_STRIDED=False`` (unit stride, the fast path) or ``True`` (strides ``stride_ph`` /
+``stride_bh`` multiply the column index; correct at any stride, no vector loads).
+
+Extension points (the fused serving op adds constexpr flags here): every kernel reads candidates only
+through its ``_load_*`` helper and writes its output only through ``_store_out``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_RUNTIME_INTS = ["T", "K", "stride_pt", "stride_ph", "stride_bt", "stride_bc", "stride_bh", "stride_ot"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shared helpers: candidate addressing, the score, the output store.
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _col_offsets(cols, stride_h, H_STRIDED: tl.constexpr):
+    # Unit hidden stride: plain column indices, so the compiler sees contiguous, vectorisable addresses.
+    if H_STRIDED:
+        return cols.to(tl.int64) * stride_h
+    else:
+        return cols
+
+
+@triton.jit
+def _prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC: tl.constexpr, H_STRIDED: tl.constexpr):
+    return prefix_ptr + t.to(tl.int64) * (stride_pt * VEC) + _col_offsets(cols, stride_ph, H_STRIDED)
+
+
+@triton.jit
+def _block_row_ptrs(blocks_ptr, t, i, cols, stride_bt, stride_bc, stride_bh, VEC: tl.constexpr,
+                    H_STRIDED: tl.constexpr):
+    return (blocks_ptr + t.to(tl.int64) * (stride_bt * VEC) + i.to(tl.int64) * (stride_bc * VEC)
+            + _col_offsets(cols, stride_bh, H_STRIDED))
+
+
+@triton.jit
+def _load_folded_weight(nw_ptr, pw_ptr, cols, mask):
+    # w = norm_weight * proj_weight folded in FP32 (the canonical scoring: RMSNorm without gamma, then <., w>).
+    nw = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pw = tl.load(pw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return nw * pw
+
+
+@triton.jit
+def _score(ss, d, H, eps):
+    # Correctly rounded sqrt and division: the score feeds exp(), so approximate rsqrt error would show up
+    # directly in the weights; this costs one op per candidate row, nothing per element.
+    return tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps)) * d
+
+
+@triton.jit
+def _store_out(out_ptr, t, cols, mask, value, stride_ot, VEC: tl.constexpr):
+    # The one place output is written: a contiguous [T, H] row of the output dtype.
+    ptrs = out_ptr + t.to(tl.int64) * (stride_ot * VEC) + cols
+    tl.store(ptrs, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CUDA, large T: rows kernel with a run-time candidate loop and an online softmax.
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_candidate_row(prefix_ptr, blocks_ptr, t, i, K, cols, hmask, stride_pt, stride_ph, stride_bt, stride_bc,
+                        stride_bh, VEC: tl.constexpr, H_STRIDED: tl.constexpr):
+    # Candidate i of token t: block i for i < K, the prefix for i == K, nothing (zeros) past K. Slots >= K of
+    # the buffer are never addressed by an unmasked lane. Streaming data: evict first, keep L2 for weights.
+    blk = _block_row_ptrs(blocks_ptr, t, tl.minimum(i, K - 1), cols, stride_bt, stride_bc, stride_bh, VEC,
+                          H_STRIDED)
+    pre = _prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED)
+    ptrs = tl.where(i < K, blk, pre)
+    return tl.load(ptrs, mask=hmask & (i <= K), other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H, eps,
+                         stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
+                         BLOCK_H: tl.constexpr, TOKENS_PER_PROG: tl.constexpr, VEC: tl.constexpr,
+                         H_STRIDED: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)  # once per program, reused for every token
+    for j in range(TOKENS_PER_PROG):
+        t = pid * TOKENS_PER_PROG + j
+        if t < T:
+            m = -float("inf")
+            l = 0.0
+            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+            v = _load_candidate_row(prefix_ptr, blocks_ptr, t, 0, K, cols, hmask, stride_pt, stride_ph, stride_bt,
+                                    stride_bc, stride_bh, VEC, H_STRIDED)
+            for i in range(0, K + 1):
+                # Issue row i + 1's load before reducing row i (hand-written software pipeline).
+                v_next = _load_candidate_row(prefix_ptr, blocks_ptr, t, i + 1, K, cols, hmask, stride_pt,
+                                             stride_ph, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
+                x = v.to(tl.float32)
+                s = _score(tl.sum(x * x, axis=0), tl.sum(x * w, axis=0), H, eps)
+                m_new = tl.maximum(m, s)
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(s - m_new)
+                acc = acc * alpha + p * x
+                l = l * alpha + p
+                m = m_new
+                v = v_next
+            _store_out(out_ptr, t, cols, hmask, acc / l, stride_ot, VEC)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CUDA, small T: split kernel (H split across programs; per-token barrier or two launches).
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_candidate_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
+                         stride_bc, stride_bh, VEC: tl.constexpr, H_STRIDED: tl.constexpr):
+    # [K_PAD, CHUNK] tile: rows < K are blocks, row K is the prefix, rows > K are masked (never addressed).
+    r = rows[:, None]
+    blk = _block_row_ptrs(blocks_ptr, t, tl.minimum(r, K - 1), cols[None, :], stride_bt, stride_bc, stride_bh,
+                          VEC, H_STRIDED)
+    pre = _prefix_row_ptrs(prefix_ptr, t, cols[None, :], stride_pt, stride_ph, VEC, H_STRIDED)
+    ptrs = tl.where(r < K, blk, pre)
+    return tl.load(ptrs, mask=(r <= K) & hmask[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, partials_ptr, counters_ptr, T, K, H, eps,
+                          stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
+                          CHUNK: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, VEC: tl.constexpr,
+                          H_STRIDED: tl.constexpr, PHASE: tl.constexpr):
+    # Grid (P, T): program (c, t) owns hidden chunk c of token t. Workspace per token t:
+    #   partials[t, c, 0, :K_PAD] = partial sum(v^2), partials[t, c, 1, :K_PAD] = partial <v, w>
+    #   counters[2 t] = arrivals, counters[2 t + 1] = exits (PHASE 0 only; both back to 0 when it ends).
+    c = tl.program_id(0)
+    t = tl.program_id(1)
+    P = tl.num_programs(0)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    hmask = cols < H
+    rows = tl.arange(0, K_PAD)
+    kp = tl.arange(0, K_PAD)
+    part_base = partials_ptr + t.to(tl.int64) * (P_PAD * 2 * K_PAD)
+
+    x = _load_candidate_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
+                             stride_bc, stride_bh, VEC, H_STRIDED).to(tl.float32)
+    if PHASE != 2:
+        w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
+        ss_part = tl.sum(x * x, axis=1)
+        d_part = tl.sum(x * w[None, :], axis=1)
+        tl.store(part_base + c * (2 * K_PAD) + kp, ss_part)
+        tl.store(part_base + c * (2 * K_PAD) + K_PAD + kp, d_part)
+    if PHASE == 0:
+        # Per-token barrier. All threads' partial stores happen before thread 0's release (CTA barrier, then a
+        # gpu-scope release); after the acquire spin, the CTA barrier again publishes the result to all threads.
+        cnt = counters_ptr + 2 * t
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt, 1, sem="release", scope="gpu") + 1
+        while arrived < P:
+            arrived = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+        # Self-cleaning: the last program to leave resets both counters, so the next launch (or CUDA-graph
+        # replay) starts from zero without any host-side reset. Every program has left the spin by then.
+        left = tl.atomic_add(cnt + 1, 1, sem="acq_rel", scope="gpu")
+        if left == P - 1:
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(cnt + 1, 0, sem="relaxed", scope="gpu")
+    if PHASE != 1:
+        # Every program sums the P partials of its token in the same fixed order, so all chunks see identical
+        # statistics (deterministic). ".cg" reads bypass L1: the data was written by other SMs just now.
+        pc = tl.arange(0, P_PAD)
+        pmask = (pc < P)[:, None]
+        poffs = pc[:, None] * (2 * K_PAD) + kp[None, :]
+        ss = tl.sum(tl.load(part_base + poffs, mask=pmask, other=0.0, cache_modifier=".cg"), axis=0)
+        d = tl.sum(tl.load(part_base + K_PAD + poffs, mask=pmask, other=0.0, cache_modifier=".cg"), axis=0)
+        s = tl.where(kp <= K, _score(ss, d, H, eps), -float("inf"))
+        p = tl.exp(s - tl.max(s, axis=0))
+        p = p / tl.sum(p, axis=0)
+        _store_out(out_ptr, t, cols, hmask, tl.sum(p[:, None] * x, axis=0), stride_ot, VEC)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Ascend NPU (triton-ascend): one program per vector core, contiguous token range, two passes over H.
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt, stride_bc,
+                   stride_bh, VEC: tl.constexpr, H_STRIDED: tl.constexpr):
+    # [K_PAD, BLOCK_H] tile built from two plain masked loads (blocks, prefix) and a value select: no pointer
+    # select, which the Ascend compiler handles less well than the vector select.
+    r = rows[:, None]
+    blk = tl.load(_block_row_ptrs(blocks_ptr, t, r, cols[None, :], stride_bt, stride_bc, stride_bh, VEC, H_STRIDED),
+                  mask=(r < K) & hmask[None, :], other=0.0)
+    pre = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask,
+                  other=0.0)
+    return tl.where(r == K, pre[None, :].to(tl.float32), blk.to(tl.float32))
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["tokens_per_prog"])
+def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H, eps, tokens_per_prog,
+                        stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
+                        BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr):
+    pid = tl.program_id(0)
+    t_begin = pid * tokens_per_prog
+    t_end = tl.minimum(t_begin + tokens_per_prog, T)
+    rows = tl.arange(0, K_PAD)
+    for t in range(t_begin, t_end):
+        # Pass 1: per-candidate sum(v^2) and <v, w>, chunk by chunk.
+        ss = tl.zeros([K_PAD], dtype=tl.float32)
+        d = tl.zeros([K_PAD], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            hmask = cols < H
+            x = _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
+                               stride_bc, stride_bh, VEC, H_STRIDED)
+            w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
+            ss += tl.sum(x * x, axis=1)
+            d += tl.sum(x * w[None, :], axis=1)
+        s = tl.where(rows <= K, _score(ss, d, H, eps), -float("inf"))
+        p = tl.exp(s - tl.max(s, axis=0))
+        p = p / tl.sum(p, axis=0)
+        # Pass 2: re-read each chunk and write the mix.
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            hmask = cols < H
+            x = _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
+                               stride_bc, stride_bh, VEC, H_STRIDED)
+            _store_out(out_ptr, t, cols, hmask, tl.sum(p[:, None] * x, axis=0), stride_ot, VEC)
