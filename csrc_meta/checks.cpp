@@ -1,5 +1,6 @@
 #include "checks.h"
 
+#include <c10/core/ScalarType.h>
 #include <c10/core/SymBool.h>
 #include <c10/util/Exception.h>
 
@@ -13,14 +14,9 @@ namespace {
 // Python API, so the symbolic variant of TORCH_CHECK_VALUE is spelled out here.
 #define K3_SYM_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE((cond).expect_true(__FILE__, __LINE__), __VA_ARGS__)
 
+// Python spelling ("torch.int64"), since that is what the caller wrote.
 std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kHalf: return "torch.float16";
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    default: return std::string("torch.") + c10::toString(t);
-  }
+  return "torch." + std::string(c10::getDtypeNames(t).first);
 }
 
 bool is_io_dtype(at::ScalarType t) {

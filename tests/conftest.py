@@ -55,7 +55,9 @@ class Sample:
             proj_weight = proj_weight.reshape(H)
         blocks[:, K:] = float("nan")  # poison: slots >= K must never be read
         if self.layout == "blockmajor":
-            storage = blocks.transpose(0, 1).contiguous().to(device=device, dtype=self.dtype)  # [C, T, H]
+            # A real [C, T, H] allocation (.contiguous() would keep the strides of a T = 1 view as they are).
+            storage = torch.empty((C, T, H), device=device, dtype=self.dtype)
+            storage.copy_(blocks.transpose(0, 1))
             block_residual = storage.transpose(0, 1)
         elif self.layout == "tokenmajor":
             block_residual = blocks.to(device=device, dtype=self.dtype)
