@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .. import reference
 from ..kernels import attn_res_fwd as _fwd
 from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
 
@@ -53,6 +54,7 @@ __all__ = [
     "use_interpreter",
     "split_two_launch",
     "attn_res_forward",
+    "fused_attn_res",
     "warmup",
 ]
 
@@ -364,3 +366,26 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(plans)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fused serving variant (issue 6).
+# --------------------------------------------------------------------------------------------------------------
+def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                   norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                   block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                   out_norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res on CUDA tensors (arguments already checked by
+    ``k3_ops._C.check_fused_attn_res``). Returns ``(out, new_prefix)``; writes ``block_residual[:, block_write_idx]``.
+
+    Until the fused Triton kernel lands this is the unfused composition on the device, with this module's
+    ``attn_res_forward`` as the mix: torch's add, the snapshot copy, the mix, torch ops for the output RMSNorm.
+    It gives exactly the contract's results (out == this device's attn_res(new_prefix) bit for bit), in four to six launches.
+
+    TRITON LAUNCH GOES HERE (issue 6, item 2): the forward kernels with the fused flags (load addend and add it
+    rounded to the I/O dtype, store the snapshot row, RMSNorm epilogue on the dtype-rounded mix), same
+    signature and results; tests/test_fused.py checks every property through the registered op.
+    """
+    return reference.fused_attn_res_reference(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                              num_valid_blocks, eps, block_write_idx, out_norm_weight,
+                                              out_norm_eps, attn_res_fn=attn_res_forward)
