@@ -1,0 +1,116 @@
+"""The main job: ``python -m k3_ops``.
+
+On the best device present (CUDA, an Ascend NPU through torch_npu, else CPU) it
+1. runs kimi_k3::attn_res on Kimi-K3-shaped inputs (H = 7168, a preallocated buffer with NaN in its unused
+   capacity, token-major and block-major) and reports its error against a float64 truth next to the error of
+   the plain FP32 formula;
+2. runs the op inside ``torch.compile(fullgraph=True, dynamic=True)`` and checks it against eager, with the
+   graph-break count;
+3. runs the benchmark (``k3_ops.bench``; pass ``--no-bench`` to skip it, or benchmark options after ``--``).
+Exit status 1 if any check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import k3_ops
+from k3_ops import reference
+from k3_ops.testing import error_stats
+
+
+def best_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    npu = getattr(torch, "npu", None)  # present only once torch_npu has been imported by the user's setup
+    if npu is not None and npu.is_available():
+        return torch.device("npu")
+    return torch.device("cpu")
+
+
+def _inputs(T: int, K: int, capacity: int, H: int, dtype: torch.dtype, device: torch.device, layout: str):
+    g = torch.Generator().manual_seed(T * 31 + K)
+    blocks = torch.randn(T, capacity, H, generator=g) * torch.linspace(0.5, 2.0, capacity).view(1, capacity, 1)
+    blocks[:, K:] = float("nan")  # uninitialised capacity: must never be read
+    if layout == "block":
+        storage = torch.empty((capacity, T, H), dtype=dtype, device=device)
+        storage.copy_(blocks.transpose(0, 1))
+        block_residual = storage.transpose(0, 1)
+    else:
+        block_residual = blocks.to(device, dtype)
+    prefix = (torch.randn(T, H, generator=g) * 1.5).to(device, dtype)
+    norm_w = (1 + 0.1 * torch.randn(H, generator=g)).to(device)
+    proj_w = (torch.randn(1, H, generator=g) * 2 / H**0.5).to(device)
+    return prefix, block_residual, norm_w, proj_w, K, 1e-6
+
+
+def check_numerics(device: torch.device) -> bool:
+    print(f"== kimi_k3::attn_res on {device} (error against a float64 truth; 'eager' = the FP32 formula)")
+    ok = True
+    cases = [(1, 8, 9, "token"), (16, 4, 9, "token"), (77, 8, 9, "block"), (512, 2, 9, "token")]
+    for T, K, cap, layout in cases:
+        args = _inputs(T, K, cap, 7168, torch.bfloat16, device, layout)
+        out = k3_ops.attn_res(*args)
+        eager = reference.attn_res_reference(*args)
+        cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        truth = reference.attn_res_truth(*cpu_args)
+        k, e = error_stats(out, truth), error_stats(eager, truth)
+        good = (not out.isnan().any()) and k.max_abs <= 1.25 * e.max_abs + 1e-12 and k.mean_abs <= 1.25 * e.mean_abs + 1e-12
+        ok &= good
+        print(f"  T={T:<4} K={K} cap={cap} {layout}-major bf16 H=7168: op max|err|={k.max_abs:.2e} "
+              f"mean|err|={k.mean_abs:.2e} | eager max|err|={e.max_abs:.2e} mean|err|={e.mean_abs:.2e} "
+              f"{'ok' if good else 'FAIL'}")
+    return ok
+
+
+def check_compile(device: torch.device) -> bool:
+    print("== torch.compile(fullgraph=True, dynamic=True) around the op")
+
+    def step(prefix, addend, blocks, norm_w, proj_w):
+        return k3_ops.attn_res(prefix + addend, blocks, norm_w, proj_w, 3, 1e-6)
+
+    explain = torch._dynamo.explain(step)(*_compile_args(5, device))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    ok = explain.graph_break_count == 0
+    for T in (2, 7, 33):
+        a = _compile_args(T, device)
+        worst = (compiled(*a).float() - step(*a).float()).abs().max().item()
+        ok &= worst <= 1e-2  # Inductor may fuse the add differently; bf16 ulp at |x| ~ 4 is 1.6e-2
+        print(f"  T={T:<3} max|compiled - eager| = {worst:.2e}")
+    print(f"  graph breaks: {explain.graph_break_count} -> {'ok' if ok else 'FAIL'}")
+    return ok
+
+
+def _compile_args(T: int, device: torch.device):
+    prefix, blocks, norm_w, proj_w, _, _ = _inputs(T, 3, 4, 256, torch.bfloat16, device, "token")
+    return prefix, torch.ones_like(prefix), blocks, norm_w, proj_w
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_argv: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, bench_argv = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="python -m k3_ops", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default=None, help="cpu, cuda or npu (default: the best present)")
+    p.add_argument("--no-bench", action="store_true", help="skip the benchmark")
+    args = p.parse_args(argv)
+    device = torch.device(args.device) if args.device else best_device()
+    print(f"k3_ops {k3_ops.__version__} | torch {torch.__version__} | device {device}")
+    ok = check_numerics(device)
+    ok &= check_compile(device)
+    if not args.no_bench:
+        from k3_ops import bench
+
+        print("== benchmark (python -m k3_ops.bench; options after '--')")
+        bench.main(["--device", device.type, *bench_argv])
+    print("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
