@@ -30,19 +30,13 @@ _lib.impl("attn_res", _attn_res_cpu, "CPU")
 
 # --- fused_attn_res: the serving variant (issue 6) ------------------------------------------------------
 # Kernels take the schema's arguments in order; the dispatcher may drop trailing arguments that equal
-# their defaults, hence the defaults here.
-def _check_fused(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
-                 block_write_idx, out_norm_weight, out_norm_eps):
-    # Before anything is written: a rejected call leaves block_residual untouched.
-    _C.check_fused_attn_res(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
-                            block_write_idx, out_norm_weight, out_norm_eps)
-
-
+# their defaults, hence the defaults here. Each checks before anything is written, so a rejected call
+# leaves block_residual untouched.
 def _fused_attn_res_cpu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
                         block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
     args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
             out_norm_weight, out_norm_eps)
-    _check_fused(*args)
+    _C.check_fused_attn_res(*args)
     return reference.fused_attn_res_reference(*args)
 
 
@@ -50,7 +44,7 @@ def _fused_attn_res_cuda(prefix_sum, addend, block_residual, norm_weight, proj_w
                          block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
     args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
             out_norm_weight, out_norm_eps)
-    _check_fused(*args)
+    _C.check_fused_attn_res(*args)
     from .backends import cuda  # lazy: importing k3_ops never imports triton
 
     return cuda.fused_attn_res(*args)
@@ -60,7 +54,7 @@ def _fused_attn_res_npu(prefix_sum, addend, block_residual, norm_weight, proj_we
                         block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
     args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
             out_norm_weight, out_norm_eps)
-    _check_fused(*args)
+    _C.check_fused_attn_res(*args)
     from .backends import npu  # lazy: importing k3_ops never imports torch_npu or triton-ascend
 
     return npu.fused_attn_res(*args)
@@ -75,7 +69,8 @@ def _fused_attn_res_autograd(keyset, *args):
     outputs that silently carry no gradient; otherwise run the device kernel below autograd (what opcheck
     asks of a non-differentiable op)."""
     if torch.is_grad_enabled():
-        needs_grad = [name for name, a in zip(_FUSED_ARG_NAMES, args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        needs_grad = [name for name, a in zip(_FUSED_ARG_NAMES, args)
+                      if isinstance(a, torch.Tensor) and a.requires_grad]
         if needs_grad:
             raise RuntimeError(
                 "kimi_k3::fused_attn_res is an inference op and has no backward, but "
