@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Build k3_ops in place on a GPU machine and run the named stages; used for the H200 runs recorded in
+# docs/benchmarks.md. Stages: build, tests, bench, tune, main, train, fused (default: build tests bench).
+# Results (logs, JSON, PNG) go to $OUT (default ./gpu_out). Extra pytest arguments: PYTEST_ARGS.
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(build tests bench)
+status=0
+for stage in "${stages[@]}"; do
+  echo "=== $stage ($(date +%T))"
+  case "$stage" in
+    build)
+      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+      $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+      # No network there: build against the machine's torch, without build isolation or dependencies.
+      $PY -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
+        || { echo "pip -e failed, building in place"; $PY setup.py build_ext --inplace >>"$OUT/build.log" 2>&1; } \
+        || { tail -30 "$OUT/build.log"; exit 1; }
+      $PY -c "import k3_ops; print('k3_ops', k3_ops.__version__, 'ok')" || exit 1 ;;
+    tests)
+      $PY -m pytest -q -ra ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -Ev "^(tests/|\.|s)+[ .sxEF]*\[ *[0-9]+%\]$" | tail -60
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    bench)
+      $PY -m k3_ops.bench --out "$OUT" ${BENCH_ARGS:-} 2>/dev/null | tee "$OUT/bench.txt" || status=1 ;;
+    tune)
+      $PY -m k3_ops.bench --out "$OUT/tune" --impls k3_ops --graph-only --block-tokens "" ${TUNE_ARGS:-} 2>/dev/null \
+        | tee "$OUT/tune.txt" || status=1 ;;
+    main)
+      $PY -m k3_ops --no-bench || status=1 ;;
+    train)
+      $PY -m k3_ops.bench_train --out "$OUT/train.json" ${TRAIN_ARGS:-} || status=1 ;;
+    fused)
+      $PY -m k3_ops.bench_fused --out "$OUT/fused.json" ${FUSED_ARGS:-} || status=1 ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+exit $status
