@@ -22,6 +22,8 @@ __all__ = [
     "attn_res_truth",
     "rms_norm_reference",
     "fused_attn_res_reference",
+    "attn_res_backward_reference",
+    "attn_res_backward_truth",
 ]
 
 
@@ -104,3 +106,76 @@ def fused_attn_res_reference(prefix_sum: torch.Tensor, addend: torch.Tensor | No
     # mix is already rounded to the I/O dtype (the unfused attn_res output), so the norm sees what the
     # unfused pipeline's RMSNorm sees.
     return rms_norm_reference(mix, out_norm_weight, eps if out_norm_eps is None else out_norm_eps), new_prefix
+
+
+def attn_res_backward_reference(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
+                                norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int,
+                                eps: float, output_mask: list[bool] | tuple[bool, bool, bool] = (True, True, True),
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kimi_k3::attn_res_backward in FP32 PyTorch (FP64 for fp64 inputs): the CPU kernel and the eager yardstick.
+
+    Recomputes the forward from the inputs, then per token (docs/attn_res.md "Backward"), with gy = grad_out:
+    ``g_i = <gy, v_i>``, ``gs_i = p_i (g_i - sum_j p_j g_j)``,
+    ``dv_i = p_i gy + gs_i (r_i w - (d_i r_i^3 / H) v_i)``, ``dw = sum_t sum_i gs_i r_i v_i``.
+
+    Returns ``(grad_prefix_sum [T, H] of prefix_sum.dtype, grad_block_residual [T, C, H] of
+    block_residual.dtype with zeros at slots >= K, grad_weight [H] in the compute dtype)``, each new and
+    contiguous; an output whose ``output_mask`` entry is False is an empty 1-D tensor (no work spent on it).
+    ``grad_weight`` is dL/dw for the folded ``w = norm_weight * proj_weight``.
+    """
+    want_prefix, want_blocks, want_w = (bool(m) for m in output_mask)
+    T, C, H = block_residual.shape
+    K = num_valid_blocks
+    cdt = compute_dtype(prefix_sum.dtype)
+
+    def nothing(dtype: torch.dtype) -> torch.Tensor:
+        return prefix_sum.new_empty((0,), dtype=dtype)
+
+    if K == 0 or T == 0:
+        # One candidate: p = 1 exactly, so gs = 0 and dv_K = gy. Spelled out (like the forward's copy) so that
+        # the gradient is exact even where the score would overflow. (T = 0: everything is empty or zero.)
+        grad_prefix = (grad_out.clone(memory_format=torch.contiguous_format) if want_prefix
+                       else nothing(prefix_sum.dtype))
+        grad_blocks = (block_residual.new_zeros((T, C, H)) if want_blocks else nothing(block_residual.dtype))
+        grad_w = prefix_sum.new_zeros((H,), dtype=cdt) if want_w else nothing(cdt)
+        return grad_prefix, grad_blocks, grad_w
+
+    v = _candidates(prefix_sum, block_residual, K, cdt)  # [T, K+1, H]; never reads slots >= K
+    gy = grad_out.to(cdt).unsqueeze(1)  # [T, 1, H]
+    w = norm_weight.to(cdt) * proj_weight.reshape(-1).to(cdt)
+    r = torch.rsqrt(v.square().mean(dim=-1) + eps)  # [T, K+1]
+    d = (v * w).sum(dim=-1)
+    p = torch.softmax(r * d, dim=-1)
+    g = (v * gy).sum(dim=-1)
+    gs = p * (g - (p * g).sum(dim=-1, keepdim=True))  # softmax backward
+
+    if want_prefix or want_blocks:
+        dv = p.unsqueeze(-1) * gy + gs.unsqueeze(-1) * (r.unsqueeze(-1) * w - (d * r.pow(3) / H).unsqueeze(-1) * v)
+        # A fresh [T, H] tensor: dv[:, K] is a strided view into dv (and .to is a no-op for fp32).
+        grad_prefix = (prefix_sum.new_empty((T, H)).copy_(dv[:, K]) if want_prefix else nothing(prefix_sum.dtype))
+        if want_blocks:
+            grad_blocks = block_residual.new_zeros((T, C, H))  # slots >= K: exactly zero
+            grad_blocks[:, :K] = dv[:, :K]
+        else:
+            grad_blocks = nothing(block_residual.dtype)
+    else:
+        grad_prefix, grad_blocks = nothing(prefix_sum.dtype), nothing(block_residual.dtype)
+    grad_w = ((gs * r).unsqueeze(-1) * v).sum(dim=(0, 1)) if want_w else nothing(cdt)
+    return grad_prefix, grad_blocks, grad_w
+
+
+def attn_res_backward_truth(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
+                            norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float64 truth of attn_res_backward: autograd of ``attn_res_truth`` from the exactly upcast inputs,
+    unrounded. Returns ``(grad_prefix_sum [T, H], grad_block_residual [T, C, H] (zeros at slots >= K),
+    grad_weight [H])``, all float64 on prefix_sum's device; ``grad_weight`` is dL/dw of the folded weight."""
+    f64 = torch.float64
+    with torch.enable_grad():
+        prefix = prefix_sum.detach().to(f64).requires_grad_(True)
+        blocks = block_residual.detach().to(f64).requires_grad_(True)
+        # Differentiate with respect to the folded weight itself: pass it as norm_weight with a unit proj.
+        w = (norm_weight.detach().to(f64) * proj_weight.detach().reshape(-1).to(f64)).requires_grad_(True)
+        out = attn_res_truth(prefix, blocks, w, torch.ones_like(w), num_valid_blocks, eps)
+        grads = torch.autograd.grad(out, (prefix, blocks, w), grad_out.detach().to(f64), allow_unused=True)
+    return tuple(torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, (prefix, blocks, w)))
