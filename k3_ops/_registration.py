@@ -28,6 +28,24 @@ def _attn_res_cpu(prefix_sum, block_residual, norm_weight, proj_weight, num_vali
 _lib.impl("attn_res", _attn_res_cpu, "CPU")
 
 
+def _attn_res_cuda(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps):
+    _C.check_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+    from .backends import cuda  # lazy: importing k3_ops never imports triton
+
+    return cuda.attn_res_forward(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+
+
+def _attn_res_npu(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps):
+    _C.check_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+    from .backends import npu  # lazy: importing k3_ops never imports torch_npu or triton-ascend
+
+    return npu.attn_res_forward(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+
+
+_lib.impl("attn_res", _attn_res_cuda, "CUDA")
+_lib.impl("attn_res", _attn_res_npu, "PrivateUse1")
+
+
 # --- fused_attn_res: the serving variant (issue 6) ------------------------------------------------------
 # Kernels take the schema's arguments in order; the dispatcher may drop trailing arguments that equal
 # their defaults, hence the defaults here. Each checks before anything is written, so a rejected call

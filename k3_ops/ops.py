@@ -5,7 +5,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["attn_res", "apply_attn_res", "fused_attn_res"]
+__all__ = ["attn_res", "apply_attn_res", "fused_attn_res", "warmup"]
 
 
 def attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -77,6 +77,38 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
     return torch.ops.kimi_k3.fused_attn_res.default(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                                      num_valid_blocks, eps, block_write_idx, out_norm_weight,
                                                      out_norm_eps)
+
+
+def warmup(hidden_size: int, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, *,
+           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536) -> int:
+    """Compile every kernel variant the launch table can pick for one model, before CUDA/NPU-graph capture.
+
+    Capture must not compile or allocate: call this once per (hidden_size, dtype, device) after loading the
+    model and before capturing. It runs each distinct launch configuration (compile key) that token counts
+    1..max_num_tokens and K = 1..max_num_valid_blocks can select once on a small zero-filled problem, which
+    also allocates the CUDA split path's per-device workspace. Token counts and K never enter a compile key,
+    so nothing compiles afterwards for any T or K in range (non-unit hidden strides excepted, see
+    docs/kernels.md).
+
+    Args:
+        hidden_size: H. dtype: the I/O dtype (bf16 / fp16 / fp32; fp64 and CPU run the reference: no-op).
+        device: a CUDA or Ascend NPU (PrivateUse1) device; None means the current CUDA device.
+    Returns:
+        The number of kernel configurations run (0 where nothing needs compiling).
+    """
+    if device is None:
+        if not torch.cuda.is_available():
+            return 0
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type == "cuda":
+        from .backends import cuda as backend  # lazy: importing k3_ops never imports triton
+    elif device.type == torch._C._get_privateuse1_backend_name():
+        from .backends import npu as backend  # lazy: importing k3_ops never imports torch_npu / triton-ascend
+    else:
+        return 0  # CPU: the reference needs no compilation
+    return backend.warmup(hidden_size, dtype, device, max_num_valid_blocks=max_num_valid_blocks,
+                          max_num_tokens=max_num_tokens)
 
 
 class _RMSNormLike(Protocol):

@@ -234,7 +234,8 @@ class _Workspace:
         self.floats_per_token = floats_per_token
         # Counters start at zero once; the one-launch kernel returns them to zero itself.
         self.counters = torch.zeros(2 * tokens, dtype=torch.int32, device=device)
-        self.partials = torch.empty(tokens * floats_per_token, dtype=torch.float32, device=device)
+        # FP64 partials whatever the I/O dtype (no rounding between chunks; a few KB).
+        self.partials = torch.empty(tokens * floats_per_token, dtype=torch.float64, device=device)
 
 
 _workspaces: dict[torch.device, _Workspace] = {}
@@ -249,7 +250,7 @@ def _workspace(device: torch.device, tokens: int, floats_per_token: int) -> _Wor
         return ws
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"attn_res split-path workspace on {key} is too small for {tokens} tokens x "
-                           f"{floats_per_token} floats and cannot be allocated during CUDA-graph capture; call "
+                           f"{floats_per_token} values and cannot be allocated during CUDA-graph capture; call "
                            "k3_ops.warmup(hidden_size, dtype) for this model before capturing")
     with _ws_lock:
         old = _workspaces.get(key)
@@ -292,6 +293,8 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
     h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2))
     vec = stride_vec(prefix_sum.dtype, (prefix_sum.stride(0), block_residual.stride(0), block_residual.stride(1),
                                         out.stride(0)))
+    # fp32 I/O scores in FP64 (see kernels/attn_res_fwd.py, _stats): part of the compile key via the dtype.
+    acc64 = prefix_sum.dtype == torch.float32
     strides = (prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
                block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec)
     with _device_guard(prefix_sum):
@@ -300,12 +303,12 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
             _fwd.attn_res_rows_kernel[grid](
                 prefix_sum, block_residual, nw, pw, out, T, K, H, eps, *strides,
                 BLOCK_H=plan.block_h, TOKENS_PER_PROG=plan.tokens_per_prog, VEC=vec, H_STRIDED=h_strided,
-                num_warps=plan.num_warps)
+                ACC64=acc64, num_warps=plan.num_warps)
             return
         ws = _workspace(prefix_sum.device, T, plan.p_pad * 2 * plan.k_pad)
         grid = (plan.p, T)
         common = dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, VEC=vec, H_STRIDED=h_strided,
-                      num_warps=plan.num_warps)
+                      ACC64=acc64, num_warps=plan.num_warps)
         args = (prefix_sum, block_residual, nw, pw, out, ws.partials, ws.counters, T, K, H, eps, *strides)
         if split_two_launch(prefix_sum):
             _fwd.attn_res_split_kernel[grid](*args, PHASE=1, **common)

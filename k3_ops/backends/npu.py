@@ -161,21 +161,22 @@ def num_vector_cores(device: torch.device) -> int:
     return n
 
 
-def npu_block_h(H: int, k_pad: int, itemsize: int) -> int:
+def npu_block_h(H: int, k_pad: int, itemsize: int, compensated: bool = False) -> int:
     """Largest power-of-two hidden tile (<= next_pow2(H), >= 16) whose working set fits UB_BUDGET_BYTES.
 
     Bytes per tile column: the [K_PAD] candidate values loaded in the I/O dtype, double-buffered by
     multibuffer (2 * itemsize), converted to FP32 (4) and one FP32 product temporary (x * x, x * w or p * x: 4),
-    so K_PAD * (2 * itemsize + 8); plus the prefix row (2 * itemsize + 4), the two weight rows and the folded w
-    (3 * 4) and the output row (4 + itemsize). bf16, K_PAD = 16 (K <= 15): 212 B per column -> BLOCK_H = 512
-    (106 KB); K_PAD = 8: 116 B -> 1024 (116 KB).
+    so K_PAD * (2 * itemsize + 8), plus K_PAD * 8 more for the compensated (TwoSum) reductions of fp32 I/O
+    (the lo operands and the error terms); plus the prefix row (2 * itemsize + 4), the two weight rows and the
+    folded w (3 * 4) and the output row (4 + itemsize). bf16, K_PAD = 16 (K <= 15): 218 B per column ->
+    BLOCK_H = 512 (109 KB); K_PAD = 8: 122 B -> 1024 (122 KB); fp32, K_PAD = 16: 416 B -> 256 (104 KB).
     """
-    per_col = k_pad * (2 * itemsize + 8) + (2 * itemsize + 4) + 12 + (4 + itemsize)
+    per_col = k_pad * (2 * itemsize + 8 + (8 if compensated else 0)) + (2 * itemsize + 4) + 12 + (4 + itemsize)
     limit = next_power_of_2(H)
     block = 16
     while block * 2 <= limit and block * 2 * per_col <= UB_BUDGET_BYTES:
         block *= 2
-    return min(block, max(16, limit))
+    return block
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -206,7 +207,8 @@ def attn_res_forward(prefix_sum: torch.Tensor, block_residual: torch.Tensor, nor
 def _launch_forward(prefix_sum, block_residual, nw, pw, out, K: int, eps: float, cores: int) -> None:
     T, H = prefix_sum.shape
     k_pad = next_power_of_2(K + 1)
-    block_h = npu_block_h(H, k_pad, prefix_sum.element_size())
+    compensated = prefix_sum.dtype == torch.float32
+    block_h = npu_block_h(H, k_pad, prefix_sum.element_size(), compensated)
     h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2))
     vec = stride_vec(prefix_sum.dtype, (prefix_sum.stride(0), block_residual.stride(0), block_residual.stride(1),
                                         out.stride(0)))
@@ -216,7 +218,8 @@ def _launch_forward(prefix_sum, block_residual, nw, pw, out, K: int, eps: float,
         prefix_sum, block_residual, nw, pw, out, T, K, H, eps, tokens_per_prog,
         prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
         block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec,
-        BLOCK_H=block_h, K_PAD=k_pad, VEC=vec, H_STRIDED=h_strided, **launch_options())
+        BLOCK_H=block_h, K_PAD=k_pad, VEC=vec, H_STRIDED=h_strided,
+        COMPENSATED=compensated, **launch_options())
 
 
 def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,

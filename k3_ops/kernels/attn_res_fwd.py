@@ -41,20 +41,20 @@ _RUNTIME_INTS = ["T", "K", "stride_pt", "stride_ph", "stride_bt", "stride_bc", "
 def _col_offsets(cols, stride_h, H_STRIDED: tl.constexpr):
     # Unit hidden stride: plain column indices, so the compiler sees contiguous, vectorisable addresses.
     if H_STRIDED:
-        return cols.to(tl.int64) * stride_h
+        return tl.cast(cols, tl.int64) * stride_h
     else:
         return cols
 
 
 @triton.jit
 def _prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC: tl.constexpr, H_STRIDED: tl.constexpr):
-    return prefix_ptr + t.to(tl.int64) * (stride_pt * VEC) + _col_offsets(cols, stride_ph, H_STRIDED)
+    return prefix_ptr + tl.cast(t, tl.int64) * (stride_pt * VEC) + _col_offsets(cols, stride_ph, H_STRIDED)
 
 
 @triton.jit
 def _block_row_ptrs(blocks_ptr, t, i, cols, stride_bt, stride_bc, stride_bh, VEC: tl.constexpr,
                     H_STRIDED: tl.constexpr):
-    return (blocks_ptr + t.to(tl.int64) * (stride_bt * VEC) + i.to(tl.int64) * (stride_bc * VEC)
+    return (blocks_ptr + tl.cast(t, tl.int64) * (stride_bt * VEC) + tl.cast(i, tl.int64) * (stride_bc * VEC)
             + _col_offsets(cols, stride_bh, H_STRIDED))
 
 
@@ -67,16 +67,40 @@ def _load_folded_weight(nw_ptr, pw_ptr, cols, mask):
 
 
 @triton.jit
-def _score(ss, d, H, eps):
+def _stats(x, w, AXIS: tl.constexpr, ACC64: tl.constexpr):
+    # (sum v^2, <v, w>) along AXIS. bf16/fp16 I/O: FP32 is ample (the output rounding dominates by far).
+    # fp32 I/O: the score's summation error would dominate the output error (p = softmax(s) amplifies an
+    # absolute score error into a relative weight error), so products and sums run in FP64 (exact products).
+    if ACC64:
+        xd = x.to(tl.float64)
+        return tl.sum(xd * xd, axis=AXIS), tl.sum(xd * w.to(tl.float64), axis=AXIS)
+    else:
+        return tl.sum(x * x, axis=AXIS), tl.sum(x * w, axis=AXIS)
+
+
+@triton.jit
+def _acc_full(shape, value, ACC64: tl.constexpr):
+    if ACC64:
+        return tl.full(shape, value, tl.float64)
+    else:
+        return tl.full(shape, value, tl.float32)
+
+
+@triton.jit
+def _score(ss, d, H, eps, ACC64: tl.constexpr):
     # Correctly rounded sqrt and division: the score feeds exp(), so approximate rsqrt error would show up
-    # directly in the weights; this costs one op per candidate row, nothing per element.
-    return tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps)) * d
+    # directly in the weights; this costs one op per candidate row, nothing per element. (FP64 sqrt and
+    # division are IEEE-rounded already; sqrt_rn / div_rn exist for FP32 only.)
+    if ACC64:
+        return d / tl.sqrt(ss / H + eps)
+    else:
+        return tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps)) * d
 
 
 @triton.jit
 def _store_out(out_ptr, t, cols, mask, value, stride_ot, VEC: tl.constexpr):
     # The one place output is written: a contiguous [T, H] row of the output dtype.
-    ptrs = out_ptr + t.to(tl.int64) * (stride_ot * VEC) + cols
+    ptrs = out_ptr + tl.cast(t, tl.int64) * (stride_ot * VEC) + cols
     tl.store(ptrs, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -99,7 +123,7 @@ def _load_candidate_row(prefix_ptr, blocks_ptr, t, i, K, cols, hmask, stride_pt,
 def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H, eps,
                          stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
                          BLOCK_H: tl.constexpr, TOKENS_PER_PROG: tl.constexpr, VEC: tl.constexpr,
-                         H_STRIDED: tl.constexpr):
+                         H_STRIDED: tl.constexpr, ACC64: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -107,8 +131,8 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
     for j in range(TOKENS_PER_PROG):
         t = pid * TOKENS_PER_PROG + j
         if t < T:
-            m = -float("inf")
-            l = 0.0
+            m = _acc_full([], -float("inf"), ACC64)
+            l = _acc_full([], 0.0, ACC64)
             acc = tl.zeros([BLOCK_H], dtype=tl.float32)
             v = _load_candidate_row(prefix_ptr, blocks_ptr, t, 0, K, cols, hmask, stride_pt, stride_ph, stride_bt,
                                     stride_bc, stride_bh, VEC, H_STRIDED)
@@ -117,15 +141,17 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
                 v_next = _load_candidate_row(prefix_ptr, blocks_ptr, t, i + 1, K, cols, hmask, stride_pt,
                                              stride_ph, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
                 x = v.to(tl.float32)
-                s = _score(tl.sum(x * x, axis=0), tl.sum(x * w, axis=0), H, eps)
+                ss, d = _stats(x, w, 0, ACC64)
+                s = _score(ss, d, H, eps, ACC64)
+                # Online softmax: rescale the running sum when the running max grows.
                 m_new = tl.maximum(m, s)
                 alpha = tl.exp(m - m_new)
                 p = tl.exp(s - m_new)
-                acc = acc * alpha + p * x
+                acc = acc * alpha.to(tl.float32) + p.to(tl.float32) * x
                 l = l * alpha + p
                 m = m_new
                 v = v_next
-            _store_out(out_ptr, t, cols, hmask, acc / l, stride_ot, VEC)
+            _store_out(out_ptr, t, cols, hmask, acc / l.to(tl.float32), stride_ot, VEC)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -147,9 +173,9 @@ def _load_candidate_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride
 def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, partials_ptr, counters_ptr, T, K, H, eps,
                           stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
                           CHUNK: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, VEC: tl.constexpr,
-                          H_STRIDED: tl.constexpr, PHASE: tl.constexpr):
+                          H_STRIDED: tl.constexpr, ACC64: tl.constexpr, PHASE: tl.constexpr):
     # Grid (P, T): program (c, t) owns hidden chunk c of token t. Workspace per token t:
-    #   partials[t, c, 0, :K_PAD] = partial sum(v^2), partials[t, c, 1, :K_PAD] = partial <v, w>
+    #   partials[t, c, 0, :K_PAD] = partial sum(v^2), partials[t, c, 1, :K_PAD] = partial <v, w>   (FP64)
     #   counters[2 t] = arrivals, counters[2 t + 1] = exits (PHASE 0 only; both back to 0 when it ends).
     c = tl.program_id(0)
     t = tl.program_id(1)
@@ -158,16 +184,16 @@ def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, parti
     hmask = cols < H
     rows = tl.arange(0, K_PAD)
     kp = tl.arange(0, K_PAD)
-    part_base = partials_ptr + t.to(tl.int64) * (P_PAD * 2 * K_PAD)
+    part_base = partials_ptr + tl.cast(t, tl.int64) * (P_PAD * 2 * K_PAD)
 
     x = _load_candidate_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
                              stride_bc, stride_bh, VEC, H_STRIDED).to(tl.float32)
     if PHASE != 2:
         w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
-        ss_part = tl.sum(x * x, axis=1)
-        d_part = tl.sum(x * w[None, :], axis=1)
-        tl.store(part_base + c * (2 * K_PAD) + kp, ss_part)
-        tl.store(part_base + c * (2 * K_PAD) + K_PAD + kp, d_part)
+        ss_part, d_part = _stats(x, w[None, :], 1, ACC64)
+        # The workspace is FP64 whatever the I/O dtype (a few hundred bytes): no rounding between chunks.
+        tl.store(part_base + c * (2 * K_PAD) + kp, ss_part.to(tl.float64))
+        tl.store(part_base + c * (2 * K_PAD) + K_PAD + kp, d_part.to(tl.float64))
     if PHASE == 0:
         # Per-token barrier. All threads' partial stores happen before thread 0's release (CTA barrier, then a
         # gpu-scope release); after the acquire spin, the CTA barrier again publishes the result to all threads.
@@ -191,9 +217,12 @@ def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, parti
         poffs = pc[:, None] * (2 * K_PAD) + kp[None, :]
         ss = tl.sum(tl.load(part_base + poffs, mask=pmask, other=0.0, cache_modifier=".cg"), axis=0)
         d = tl.sum(tl.load(part_base + K_PAD + poffs, mask=pmask, other=0.0, cache_modifier=".cg"), axis=0)
-        s = tl.where(kp <= K, _score(ss, d, H, eps), -float("inf"))
+        if not ACC64:
+            ss = ss.to(tl.float32)
+            d = d.to(tl.float32)
+        s = tl.where(kp <= K, _score(ss, d, H, eps, ACC64), -float("inf"))
         p = tl.exp(s - tl.max(s, axis=0))
-        p = p / tl.sum(p, axis=0)
+        p = (p / tl.sum(p, axis=0)).to(tl.float32)
         _store_out(out_ptr, t, cols, hmask, tl.sum(p[:, None] * x, axis=0), stride_ot, VEC)
 
 
@@ -213,27 +242,64 @@ def _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, s
     return tl.where(r == K, pre[None, :].to(tl.float32), blk.to(tl.float32))
 
 
+@triton.jit
+def _two_sum_combine(a_hi, a_lo, b_hi, b_lo):
+    # Knuth's TwoSum: hi + lo represents a + b exactly (a "double-float" sum in FP32 arithmetic).
+    hi = a_hi + b_hi
+    bb = hi - a_hi
+    err = (a_hi - (hi - bb)) + (b_hi - bb)
+    return hi, a_lo + b_lo + err
+
+
+@triton.jit
+def _npu_stats(x, w, COMPENSATED: tl.constexpr):
+    # Per-candidate (sum v^2, <v, w>) of one [K_PAD, BLOCK_H] tile as (hi, lo) pairs. Ascend vector cores have
+    # no FP64, so fp32 I/O gets compensated (TwoSum) reductions instead: plain FP32 sums would make the score's
+    # rounding error the dominant output error (see _stats). bf16/fp16 I/O: plain FP32, lo = 0.
+    xx = x * x
+    xw = x * w[None, :]
+    if COMPENSATED:
+        ss_hi, ss_lo = tl.reduce((xx, tl.zeros_like(xx)), 1, _two_sum_combine)
+        d_hi, d_lo = tl.reduce((xw, tl.zeros_like(xw)), 1, _two_sum_combine)
+        return ss_hi, ss_lo, d_hi, d_lo
+    else:
+        ss = tl.sum(xx, axis=1)
+        d = tl.sum(xw, axis=1)
+        return ss, tl.zeros_like(ss), d, tl.zeros_like(d)
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS + ["tokens_per_prog"])
 def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H, eps, tokens_per_prog,
                         stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
-                        BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr):
+                        BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
+                        COMPENSATED: tl.constexpr):
     pid = tl.program_id(0)
     t_begin = pid * tokens_per_prog
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
     rows = tl.arange(0, K_PAD)
     for t in range(t_begin, t_end):
-        # Pass 1: per-candidate sum(v^2) and <v, w>, chunk by chunk.
-        ss = tl.zeros([K_PAD], dtype=tl.float32)
-        d = tl.zeros([K_PAD], dtype=tl.float32)
+        # Pass 1: per-candidate sum(v^2) and <v, w>, chunk by chunk (hi/lo pairs; lo stays 0 unless COMPENSATED).
+        ss_hi = tl.zeros([K_PAD], dtype=tl.float32)
+        ss_lo = tl.zeros([K_PAD], dtype=tl.float32)
+        d_hi = tl.zeros([K_PAD], dtype=tl.float32)
+        d_lo = tl.zeros([K_PAD], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             hmask = cols < H
             x = _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
                                stride_bc, stride_bh, VEC, H_STRIDED)
             w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
-            ss += tl.sum(x * x, axis=1)
-            d += tl.sum(x * w[None, :], axis=1)
-        s = tl.where(rows <= K, _score(ss, d, H, eps), -float("inf"))
+            c_ss_hi, c_ss_lo, c_d_hi, c_d_lo = _npu_stats(x, w, COMPENSATED)
+            if COMPENSATED:
+                ss_hi, ss_lo = _two_sum_combine(ss_hi, ss_lo, c_ss_hi, c_ss_lo)
+                d_hi, d_lo = _two_sum_combine(d_hi, d_lo, c_d_hi, c_d_lo)
+            else:
+                ss_hi += c_ss_hi
+                d_hi += c_d_hi
+        ss = ss_hi + ss_lo
+        d = d_hi + d_lo
+        # Plain sqrt / division: the Ascend vector unit's are IEEE-accurate in FP32 (no approximate rsqrt).
+        s = tl.where(rows <= K, d / tl.sqrt(ss / H + eps), -float("inf"))
         p = tl.exp(s - tl.max(s, axis=0))
         p = p / tl.sum(p, axis=0)
         # Pass 2: re-read each chunk and write the mix.
