@@ -40,6 +40,7 @@ import triton
 from .. import reference
 from ..kernels import attn_res_fwd as _fwd
 from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
+from . import _backward
 
 __all__ = [
     "LaunchConfig",
@@ -56,6 +57,10 @@ __all__ = [
     "attn_res_forward",
     "fused_attn_res",
     "warmup",
+    "BackwardConfig",
+    "BACKWARD_CONFIG",
+    "choose_backward_plan",
+    "attn_res_backward",
 ]
 
 # --------------------------------------------------------------------------------------------------------------
@@ -392,3 +397,79 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
     return reference.fused_attn_res_reference(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                               num_valid_blocks, eps, block_write_idx, out_norm_weight,
                                               out_norm_eps, attn_res_fn=attn_res_forward)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backward (issue 5): kimi_k3::attn_res_backward. Kernels in k3_ops.kernels.attn_res_bwd; the device-independent
+# part of the launch (trivial cases, allocation, strides) lives in backends/_backward.py, shared with npu.py.
+# --------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Knobs of the backward launch (tuned on the H200 with ``python -m k3_ops.bench_train``).
+
+    programs_per_sm: gradient-kernel programs per SM; grid = min(T, SMs x programs_per_sm), each program walking
+        a contiguous token range. More programs give more memory parallelism but a larger dw workspace
+        ([grid, H] fp64) and more L2 pressure between a token's two passes (pass 2 re-reads what pass 1 just read).
+    tile_elems: K_PAD x BLOCK_H, the candidate tile in registers; BLOCK_H = tile_elems // K_PAD (a power of two,
+        at least 16, at most next_power_of_2(H)).
+    num_warps: None derives it from the tile (about 32 fp32 tile values per thread, 4 to 16 warps).
+    acc64: FP64 per-token statistics / softmax backward / dw accumulation (the accuracy contract's margin; see
+        kernels/attn_res_bwd.py). False is plain FP32: cheaper, but its error is the eager formula's size.
+    """
+
+    programs_per_sm: int = 2
+    tile_elems: int = 8192
+    num_warps: int | None = None
+    acc64: bool = True
+
+    def __post_init__(self):
+        if self.programs_per_sm < 1:
+            raise ValueError(f"BackwardConfig.programs_per_sm must be >= 1, got {self.programs_per_sm}")
+        if self.tile_elems < 16 or self.tile_elems & (self.tile_elems - 1):
+            raise ValueError(f"BackwardConfig.tile_elems must be a power of two >= 16, got {self.tile_elems}")
+
+
+#: The default backward launch configuration; benchmarks pass ``config=`` to ``attn_res_backward`` instead.
+BACKWARD_CONFIG = BackwardConfig()
+
+
+def choose_backward_plan(T: int, K: int, H: int, device: torch.device,
+                         config: BackwardConfig | None = None) -> _backward.BackwardPlan:
+    """Resolve the backward launch for a shape (compile key: k_pad, block_h, num_warps)."""
+    config = config or BACKWARD_CONFIG
+    k_pad = next_power_of_2(K + 1)
+    block_h = min(next_power_of_2(H), max(16, config.tile_elems // k_pad))
+    num_warps = config.num_warps or min(16, max(4, (k_pad * block_h) // (32 * 32)))
+    return _backward.BackwardPlan(num_programs=min(T, num_sms(device) * config.programs_per_sm), block_h=block_h,
+                                  k_pad=k_pad, acc64=config.acc64,
+                                  launch_options=(("num_warps", num_warps),))
+
+
+def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
+                      norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                      output_mask, *, config: BackwardConfig | None = None):
+    """kimi_k3::attn_res_backward on CUDA tensors (or CPU tensors under the Triton interpreter).
+
+    Args (already checked by ``k3_ops._C.check_attn_res_backward``):
+        grad_out: [T, H] of prefix_sum.dtype, any strides (a non-unit hidden stride, e.g. the expanded gradient
+            of ``out.sum()``, is copied to contiguous first).
+        prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps: as for ``attn_res_forward``
+            (any token / block strides, block-major views included; only slots < K are read).
+        output_mask: [want grad_prefix_sum, want grad_block_residual, want grad_weight].
+        config: bypass ``BACKWARD_CONFIG`` (benchmarks / tuning).
+    Returns:
+        (grad_prefix_sum: new contiguous [T, H] of prefix_sum.dtype,
+         grad_block_residual: new contiguous [T, C, H] of block_residual.dtype, exact zeros at slots >= K,
+         grad_weight: [H] fp32 (fp64 for fp64 inputs), dL/dw of w = norm_weight * proj_weight, reduced over
+         tokens in a fixed order: identical bits from run to run);
+        an output not asked for by output_mask is an empty 1-D tensor and costs nothing.
+    """
+    trivial = _backward.trivial_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                                  num_valid_blocks, eps, output_mask)
+    if trivial is not None:
+        return trivial
+    T, C, H = block_residual.shape
+    plan = choose_backward_plan(T, int(num_valid_blocks), H, prefix_sum.device, config)
+    with _device_guard(prefix_sum):
+        return _backward.run_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                               num_valid_blocks, eps, output_mask, plan)

@@ -41,6 +41,7 @@ import triton
 from .. import reference
 from ..kernels import attn_res_fwd as _fwd
 from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
+from . import _backward
 
 __all__ = [
     "FALLBACK_NUM_VECTOR_CORES",
@@ -56,6 +57,8 @@ __all__ = [
     "attn_res_forward",
     "fused_attn_res",
     "warmup",
+    "npu_bwd_block_h",
+    "attn_res_backward",
 ]
 
 # --------------------------------------------------------------------------------------------------------------
@@ -265,3 +268,57 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
     return reference.fused_attn_res_reference(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                               num_valid_blocks, eps, block_write_idx, out_norm_weight,
                                               out_norm_eps, attn_res_fn=attn_res_forward)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backward (issue 5): kimi_k3::attn_res_backward. Kernels in k3_ops.kernels.attn_res_bwd; the device-independent
+# part of the launch (trivial cases, allocation, strides) lives in backends/_backward.py, shared with cuda.py.
+# --------------------------------------------------------------------------------------------------------------
+def npu_bwd_block_h(H: int, k_pad: int, itemsize: int) -> int:
+    """Largest power-of-two hidden tile (<= next_pow2(H), >= 16) whose backward working set fits UB_BUDGET_BYTES.
+
+    Bytes per tile column, pass 2 (the larger pass): the [K_PAD] candidate values loaded in the I/O dtype and
+    double-buffered by multibuffer (2 * itemsize), their FP32 copy (4), one FP32 product temporary (4), the
+    FP32 dv (4) and dv cast to the I/O dtype for the stores (itemsize): K_PAD * (3 * itemsize + 12); plus the
+    prefix and grad_out rows (each double-buffered and in FP32: 2 * (2 * itemsize + 4)), the two weight rows
+    and the folded w (3 * 4) and the dw workspace row with this token's contribution (2 * 4).
+    bf16, K_PAD = 16 (K <= 15): 324 B per column -> BLOCK_H = 256 (81 KB); K_PAD = 8: 180 B -> 512 (90 KB).
+    """
+    per_col = k_pad * (3 * itemsize + 12) + 2 * (2 * itemsize + 4) + 12 + 8
+    limit = next_power_of_2(H)
+    block = 16
+    while block * 2 <= limit and block * 2 * per_col <= UB_BUDGET_BYTES:
+        block *= 2
+    return min(block, max(16, limit))
+
+
+def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
+                      norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                      output_mask):
+    """kimi_k3::attn_res_backward on Ascend NPU (PrivateUse1) tensors.
+
+    Grid = the vector-core count (``num_vector_cores``, through the seam), program p walking a contiguous token
+    range; per token two passes over H in [K_PAD, npu_bwd_block_h] tiles; the weight gradient goes through an
+    fp32 workspace [cores, H] and a fixed-order reduction (no atomics: identical bits from run to run).
+
+    Args (already checked by ``k3_ops._C.check_attn_res_backward``):
+        grad_out: [T, H] of prefix_sum.dtype, any strides (a non-unit hidden stride is copied to contiguous).
+        prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps: as for ``attn_res_forward``.
+        output_mask: [want grad_prefix_sum, want grad_block_residual, want grad_weight].
+    Returns:
+        (grad_prefix_sum [T, H] of prefix_sum.dtype, grad_block_residual [T, C, H] of block_residual.dtype with
+        exact zeros at slots >= K, grad_weight [H] fp32 (fp64 for fp64 inputs)), new and contiguous on
+        prefix_sum's device; an output not asked for by output_mask is an empty 1-D tensor.
+    """
+    trivial = _backward.trivial_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                                  num_valid_blocks, eps, output_mask)
+    if trivial is not None:
+        return trivial
+    H = prefix_sum.size(1)
+    k_pad = next_power_of_2(int(num_valid_blocks) + 1)
+    plan = _backward.BackwardPlan(num_programs=num_vector_cores(prefix_sum.device),
+                                  block_h=npu_bwd_block_h(H, k_pad, prefix_sum.element_size()), k_pad=k_pad,
+                                  acc64=False,  # Ascend vector cores have no FP64 arithmetic
+                                  launch_options=tuple(launch_options().items()))
+    return _backward.run_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                           num_valid_blocks, eps, output_mask, plan, raw=raw)

@@ -1,0 +1,114 @@
+"""The attn_res backward launch, shared by the CUDA and the NPU launch policies (issue 5).
+
+``cuda.attn_res_backward`` and ``npu.attn_res_backward`` decide *how* to launch (a ``BackwardPlan``: how many
+programs, the hidden tile, warps or Ascend options); this module does what is identical on both devices: the
+trivial cases that never launch, output and workspace allocation, the stride arithmetic, and the two launches
+of ``k3_ops.kernels.attn_res_bwd`` (the fused gradient kernel, then the fixed-order weight-gradient reduction).
+
+Memory: besides the outputs themselves, one workspace [num_programs, H] (fp64, or fp32 without FP64) (num_programs is bounded by the
+device, not by T) and, only when grad_out's hidden dimension is not unit-stride (e.g. the expanded gradient of
+``out.sum()``), a contiguous copy of grad_out. Nothing of size T x K x H beyond grad_block_residual.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from .. import reference
+from ..kernels import attn_res_bwd as _bwd
+from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec
+
+__all__ = ["BackwardPlan", "trivial_attn_res_backward", "run_attn_res_backward", "REDUCE_BLOCK_P",
+           "REDUCE_BLOCK_H"]
+
+#: Tile of the weight-gradient reduction: rows of the workspace summed per step, columns per program.
+REDUCE_BLOCK_P = 16
+REDUCE_BLOCK_H = 256
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """One resolved backward launch (the compile key is block_h, k_pad, num_warps plus dtypes and flags).
+
+    num_programs: programs of the gradient kernel, each walking a contiguous token range (bounded by the device).
+    block_h: hidden tile (power of two); k_pad: candidate tile height, next_power_of_2(K + 1).
+    acc64: FP64 statistics, softmax backward and weight-gradient accumulation (see ``attn_res_bwd_kernel``);
+        False for devices without FP64 arithmetic.
+    launch_options: extra launch keyword arguments (``num_warps`` on CUDA, ``multibuffer`` under triton-ascend).
+    """
+
+    num_programs: int
+    block_h: int
+    k_pad: int
+    acc64: bool
+    launch_options: tuple[tuple[str, object], ...] = field(default=())
+
+
+def trivial_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
+                              norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int,
+                              eps: float, output_mask: Sequence[bool]):
+    """The backward cases that never launch a kernel, identical on every device; None when a kernel must run.
+
+    fp64 inputs (computed in fp64 by the reference on the tensors' own device), T = 0, and K = 0 (p = 1 exactly:
+    grad_prefix_sum is a contiguous copy of grad_out, grad_block_residual zeros, grad_weight zeros).
+    """
+    if prefix_sum.dtype == torch.float64 or prefix_sum.size(0) == 0 or num_valid_blocks == 0:
+        return reference.attn_res_backward_reference(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                                     num_valid_blocks, eps, output_mask)
+    return None
+
+
+def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
+                          norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                          output_mask: Sequence[bool], plan: BackwardPlan,
+                          raw: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocate the outputs on prefix_sum's device and launch the backward kernels on ``raw`` views of them.
+
+    Arguments are already checked (``k3_ops._C.check_attn_res_backward``) and non-trivial (see
+    ``trivial_attn_res_backward``). ``raw`` maps a device tensor to the tensor handed to Triton (identity
+    except for the NPU test seam). Returns the schema's (grad_prefix_sum, grad_block_residual, grad_weight).
+    """
+    want_prefix, want_blocks, want_w = (bool(m) for m in output_mask)
+    T, C, H = block_residual.shape
+    K = int(num_valid_blocks)
+    dev = prefix_sum.device
+    if grad_out.size(1) > 1 and grad_out.stride(1) != 1:
+        grad_out = grad_out.contiguous()  # e.g. the expanded ones of out.sum(): the kernel reads unit-stride rows
+    nw, pw = prepare_weights(norm_weight, proj_weight)
+    nothing = torch.empty((0,), dtype=prefix_sum.dtype, device=dev)
+    grad_prefix = torch.empty((T, H), dtype=prefix_sum.dtype, device=dev) if want_prefix else nothing
+    grad_blocks = (torch.empty((T, C, H), dtype=block_residual.dtype, device=dev) if want_blocks
+                   else torch.empty((0,), dtype=block_residual.dtype, device=dev))
+    grad_w = torch.empty((H,) if want_w else (0,), dtype=torch.float32, device=dev)
+    if not (want_prefix or want_blocks or want_w):
+        return grad_prefix, grad_blocks, grad_w
+
+    tokens_per_prog = triton.cdiv(T, max(1, min(plan.num_programs, T)))
+    programs = triton.cdiv(T, tokens_per_prog)  # every program gets at least one token
+    ws = (torch.empty((programs, H), dtype=torch.float64 if plan.acc64 else torch.float32, device=dev) if want_w
+          else None)
+
+    gy, x, blocks = raw(grad_out), raw(prefix_sum), raw(block_residual)
+    # Unwritten outputs get a stand-in pointer of the same dtype (never dereferenced: the flag is off), so that
+    # masked calls do not add pointer-dtype variants to the compile key.
+    gp = raw(grad_prefix) if want_prefix else gy
+    gb = raw(grad_blocks) if want_blocks else gy
+    h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2))
+    vec = stride_vec(prefix_sum.dtype, (prefix_sum.stride(0), block_residual.stride(0), block_residual.stride(1),
+                                        grad_out.stride(0), H, C * H))
+    _bwd.attn_res_bwd_kernel[(programs,)](
+        gy, x, blocks, raw(nw), raw(pw), gp, gb, raw(ws) if want_w else gy,
+        T, K, C, H, float(eps), tokens_per_prog,
+        grad_out.stride(0) // vec, prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
+        block_residual.stride(1) // vec, block_residual.stride(2), H // vec, (C * H) // vec, H // vec,
+        BLOCK_H=plan.block_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, WRITE_PREFIX=want_prefix,
+        WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64, **dict(plan.launch_options))
+    if want_w:
+        block = min(REDUCE_BLOCK_H, next_power_of_2(H))
+        _bwd.attn_res_bwd_dw_reduce_kernel[(triton.cdiv(H, block),)](
+            raw(ws), raw(grad_w), programs, H, BLOCK_P=REDUCE_BLOCK_P, BLOCK_H=block, **dict(plan.launch_options))
+    return grad_prefix, grad_blocks, grad_w
