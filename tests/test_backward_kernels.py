@@ -16,23 +16,17 @@ the kernel is held against the eager result rounded to nearest even.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from k3_ops import reference
 from k3_ops.testing import assert_accuracy_contract, error_stats
 
-from conftest import Sample, requires_cuda, sample_params
+from conftest import Sample, requires_cuda, requires_interpreter, sample_params
 
 BWD = torch.ops.kimi_k3.attn_res_backward.default
 FULL = [True, True, True]
 
-interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "0") != "1",
-    reason="Triton interpreter tests need TRITON_INTERPRET=1 before the kernels are decorated (set for CPU-only "
-           "runs by tests/conftest.py); on a GPU the CUDA tests below run the compiled kernels instead")
 
 
 def positional(args: dict) -> tuple:
@@ -123,7 +117,7 @@ CASES = [
 POLICIES = ["cuda", "npu"]
 
 
-@interpreter
+@requires_interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("sample", sample_params(CASES))
@@ -150,7 +144,7 @@ def test_interpreter_accuracy_contract_and_zero_capacity(sample: Sample, policy:
 MASKS = [[True, False, False], [False, True, False], [False, False, True], [True, True, False], [False, False, False]]
 
 
-@interpreter
+@requires_interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: "".join("1" if x else "0" for x in m))
@@ -168,7 +162,7 @@ def test_interpreter_output_mask(mask, policy: str):
             assert p.shape == (0,) and p.dtype == f.dtype, f"output {i} not asked for must be an empty 1-D tensor"
 
 
-@interpreter
+@requires_interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize("policy", POLICIES)
 def test_interpreter_deterministic_bits(policy: str):
@@ -181,7 +175,7 @@ def test_interpreter_deterministic_bits(policy: str):
         assert bits_equal(a, b)
 
 
-@interpreter
+@requires_interpreter
 @pytest.mark.interpreter
 def test_interpreter_grid_changes_only_the_weight_gradient_order():
     # Per-token gradients do not depend on how tokens are spread over programs (bit for bit); grad_weight only
@@ -201,7 +195,7 @@ def test_interpreter_grid_changes_only_the_weight_gradient_order():
         torch.testing.assert_close(other[2], results[0][2], rtol=1e-6, atol=1e-6)
 
 
-@interpreter
+@requires_interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize("policy", POLICIES)
 def test_interpreter_strided_inputs(policy: str):
