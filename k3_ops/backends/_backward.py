@@ -5,9 +5,10 @@ programs, the hidden tile, warps or Ascend options); this module does what is id
 trivial cases that never launch, output and workspace allocation, the stride arithmetic, and the two launches
 of ``k3_ops.kernels.attn_res_bwd`` (the fused gradient kernel, then the fixed-order weight-gradient reduction).
 
-Memory: besides the outputs themselves, one workspace [num_programs, H] (fp64, or fp32 without FP64) (num_programs is bounded by the
-device, not by T) and, only when grad_out's hidden dimension is not unit-stride (e.g. the expanded gradient of
-``out.sum()``), a contiguous copy of grad_out. Nothing of size T x K x H beyond grad_block_residual.
+Memory: besides the outputs themselves, one workspace [num_programs, H] (fp64; fp32 without FP64), where
+num_programs is bounded by the device, not by T, and, only when grad_out's hidden dimension is not unit-stride
+(e.g. the expanded gradient of ``out.sum()``), a contiguous copy of grad_out. Nothing of size T x K x H beyond
+grad_block_residual.
 """
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ Two kernels:
   the same pass. One candidate tile per hidden chunk, so any K works (K_PAD = next_power_of_2(K + 1) is the
   compile-time tile height; K itself is a runtime argument).
 - ``attn_res_bwd_dw_reduce_kernel``: the weight gradient. Each program of the first kernel accumulates its
-  tokens' contributions into its own row of a workspace [num_programs, H] (FP64, FP32 without ACC64) (no atomics: a row has one
-  writer), and this kernel sums the rows in a fixed order (fixed-shape tile sums, then chunks in sequence).
+  tokens' contributions into its own row of a workspace [num_programs, H] (FP64; FP32 without ACC64) with no
+  atomics (a row has one writer), and this kernel sums the rows in a fixed order (fixed-shape tile sums, then
+  chunks in sequence).
   Identical inputs on the same device and grid give identical bits; the workspace is O(programs x H).
 
 Recompile safety and addressing are the forward's (``attn_res_fwd``): T, K, C, the token range and every
@@ -62,8 +63,8 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
     rows = tl.arange(0, K_PAD)
     r2 = rows[:, None]
-    blk_rows = r2.to(tl.int64) * (stride_bc * VEC)  # [K_PAD, 1] offsets of candidate rows within a token
-    gb_rows = r2.to(tl.int64) * (stride_gbc * VEC)
+    blk_rows = r2.to(tl.int64) * stride_bc * VEC  # [K_PAD, 1] offsets of candidate rows within a token
+    gb_rows = r2.to(tl.int64) * stride_gbc * VEC
     is_blk = r2 < K  # rows read from block_residual; row K is the prefix; rows > K are never addressed
     valid = rows <= K
     ws_row = ws_ptr + pid.to(tl.int64) * H
@@ -73,9 +74,9 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
             tl.store(ws_row + cols, tl.zeros([BLOCK_H], dtype=ws_ptr.dtype.element_ty), mask=cols < H)
     for t in range(t_begin, t_end):
         t64 = tl.cast(t, tl.int64)  # tl.cast, not .to: the interpreter's loop variable is a Python int
-        gy_row = gy_ptr + t64 * (stride_gyt * VEC)
-        pre_row = prefix_ptr + t64 * (stride_pt * VEC)
-        blk_tile = blocks_ptr + t64 * (stride_bt * VEC) + blk_rows
+        gy_row = gy_ptr + t64 * stride_gyt * VEC
+        pre_row = prefix_ptr + t64 * stride_pt * VEC
+        blk_tile = blocks_ptr + t64 * stride_bt * VEC + blk_rows
         # Pass 1: per-candidate sum(v^2), <v, w> and <v, gy>, chunk by chunk. evict_last: pass 2 re-reads these.
         if ACC64:
             ss = tl.zeros([K_PAD], dtype=tl.float64)
@@ -127,9 +128,9 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
         p = p.to(tl.float32)
         gs = gs.to(tl.float32)
         r = r.to(tl.float32)
-        gb_tile = gb_ptr + t64 * (stride_gbt * VEC) + gb_rows
+        gb_tile = gb_ptr + t64 * stride_gbt * VEC + gb_rows
         # Every row of this [K_PAD, 1] pointer tile is grad_prefix's row t; only row K's lanes are unmasked.
-        gp_tile = gp_ptr + t64 * (stride_gpt * VEC) + r2 * 0
+        gp_tile = gp_ptr + t64 * stride_gpt * VEC + r2 * 0
         # Pass 2: re-read each chunk; write dv (and zeros past K) and fold this token into the dw row.
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
@@ -157,7 +158,7 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
                     zeros = tl.zeros([K_PAD, BLOCK_H], dtype=gb_ptr.dtype.element_ty)
                     for z0 in range(K, C, K_PAD):
                         zr = z0 + r2
-                        tl.store(gb_tile + (z0 * stride_gbc * VEC) + cols[None, :], zeros,
+                        tl.store(gb_tile + tl.cast(z0, tl.int64) * stride_gbc * VEC + cols[None, :], zeros,
                                  mask=(zr < C) & hmask[None, :])
             if COMPUTE_DW:
                 acc = tl.load(ws_row + cols, mask=hmask, other=0.0)
