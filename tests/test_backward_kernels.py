@@ -135,7 +135,7 @@ def test_interpreter_accuracy_contract_and_zero_capacity(sample: Sample, policy:
     assert not any(bool(o.isnan().any()) for o in outs), "NaN: a slot was left unwritten or NaN capacity was read"
     # Ascend vector cores have no FP64, so the NPU policy computes its per-token statistics and softmax
     # backward in FP32 like the eager formula: its FP32-stored errors are the eager formula's size, not
-    # reliably below 1.25x of it (the CUDA policy's FP64 statistics are; docs/kernels.md, "Backward").
+    # reliably below 1.25x of it (the CUDA policy's FP64 statistics are; docs/attn_res_backward.md, "Precision").
     check_contract(sample, outs, gy, args, interpreted=True, fp32_factor=1.25 if policy == "cuda" else 2.0)
     if sample.K == 0:
         assert bits_equal(gp, gy) and bool((gw == 0).all())
