@@ -20,7 +20,7 @@ from torch.testing._internal.optests import opcheck
 import k3_ops
 from k3_ops.testing import assert_close
 
-from conftest import SAMPLES, Sample
+from conftest import SAMPLES, Sample, requires_interpreter
 
 OP = torch.ops.kimi_k3.fused_attn_res.default
 ARG_NAMES = [a.name for a in OP._schema.arguments]
@@ -195,6 +195,66 @@ def test_wrapper_equals_op(case: FusedCase, device: str):
                                        kw.pop("eps"), **kw)
     for a, b in zip(by_op, by_wrapper):
         assert torch.equal(bits(a), bits(b))
+
+
+# --- the Triton launch policies under the interpreter ---------------------------------------------------
+INTERPRETER_CASES = [
+    FusedCase(SAMPLES[1], write="last", norm="own", views=True),  # fp16, odd H, strided prefix / addend
+    FusedCase(SAMPLES[3], norm="eps"),  # bf16, full capacity: no snapshot
+    FusedCase(SAMPLES[5], norm="eps"),  # bf16, block-major buffer
+    FusedCase(SAMPLES[6], addend=False),  # fp16 decode, one token
+]
+
+
+def _truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    return (x.to(torch.float32).contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+@requires_interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize("policy", ["cuda", "npu"])
+@pytest.mark.parametrize("case", case_params(INTERPRETER_CASES))
+def test_launch_policy_under_interpreter(case: FusedCase, policy: str):
+    """The CUDA and NPU backends' fused_attn_res on CPU tensors (the CPU dispatch key runs the reference, so
+    the backend functions are called directly): the same exactness as through the op, measured against the
+    same policy's attn_res_forward. The interpreter converts fp32 -> bf16 by truncation where a GPU rounds to
+    nearest even (tests/test_kernels_interpreter.py); a Triton add stored as bf16 may therefore equal either
+    rounding of the exact FP32 sum, and nothing else."""
+    from k3_ops.backends import cuda, npu
+
+    args = case.make("cpu")
+    buf = args["block_residual"]
+    buf_before = buf.clone()
+    if policy == "npu":
+        with npu.substitute(num_vector_cores=lambda device: 8):
+            out, new_prefix = npu.fused_attn_res(*positional(args))
+            mix = npu.attn_res_forward(new_prefix, buf, args["norm_weight"], args["proj_weight"], case.base.K,
+                                       case.base.eps)
+    else:
+        out, new_prefix = cuda.fused_attn_res(*positional(args))
+        mix = cuda.attn_res_forward(new_prefix, buf, args["norm_weight"], args["proj_weight"], case.base.K,
+                                    case.base.eps)
+
+    expected_prefix = args["prefix_sum"] + args["addend"] if case.addend else args["prefix_sum"]
+    if not torch.equal(bits(new_prefix), bits(expected_prefix)):
+        assert case.base.dtype == torch.bfloat16 and case.addend, f"{case.id}: new_prefix != prefix_sum + addend"
+        exact_sum = args["prefix_sum"].float() + args["addend"].float()
+        assert torch.equal(bits(new_prefix), bits(_truncate_to_bf16(exact_sum))), (
+            f"{case.id}: new_prefix is neither rounding of prefix_sum + addend")
+    idx = case.write_idx
+    others = [i for i in range(case.base.cap) if i != idx]
+    assert torch.equal(bits(buf[:, others]), bits(buf_before[:, others])), f"{case.id}: bytes outside the slot changed"
+    if idx >= 0:
+        assert torch.equal(bits(buf[:, idx]), bits(new_prefix)), f"{case.id}: snapshot row != new_prefix"
+    if case.norm == "none":
+        assert torch.equal(bits(out), bits(mix)), f"{case.id}: out != {policy} attn_res(new_prefix, ...)"
+    else:
+        norm_eps = case.base.eps if args["out_norm_eps"] is None else args["out_norm_eps"]
+        expected = torch.nn.functional.rms_norm(mix.float(), (case.base.H,), args["out_norm_weight"].float(),
+                                                norm_eps).to(case.base.dtype)
+        # One ulp for the reduction order, one more for a truncating bf16 store.
+        rtol = NORM_RTOL[case.base.dtype] * (2 if case.base.dtype == torch.bfloat16 else 1)
+        assert_close(out, expected, atol=rtol, rtol=rtol, what=f"{case.id}: out vs rms_norm(mix)")
 
 
 # --- metadata and opcheck -------------------------------------------------------------------------------
