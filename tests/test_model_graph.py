@@ -300,6 +300,27 @@ def test_compiled_stack_one_graph_no_recompile_equals_eager(variant, mode):
     assert counter.op_count > mixes, f"op_count={counter.op_count} cannot hold the {mixes} mixes"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, mode", [
+    pytest.param(dict(fused=False, layout="tokenmajor"), "unbacked", id="unfused-tokenmajor-unbacked"),
+    pytest.param(dict(fused=True, layout="blockmajor"), "backed_size_oblivious",
+                 id="fused-blockmajor-backed_size_oblivious"),
+])
+@torch.no_grad()
+def test_inductor_compiled_stack_no_recompile_close_to_eager(variant, mode):
+    """The default backend (what the CUDA-graph test captures): Inductor lowers the ops as fallback kernels
+    around its own fused code. Its norms and linears round differently from eager: FP32 tolerances."""
+    model = ToyK3Model(num_layers=4, **variant)
+    eager = ToyK3Model(num_layers=4, **variant)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for i, T in enumerate(TOKEN_COUNTS):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = _run_compiled(model, mode, T, compiled)
+        torch.testing.assert_close(got, eager(make_input(T)), msg=lambda m: f"T={T}: {m}")
+        torch.testing.assert_close(model.bank.view(T), eager.bank.view(T), equal_nan=True,
+                                   msg=lambda m: f"T={T}, bank: {m}")
+
+
 @torch.no_grad()
 def test_plain_backed_dynamic_specialises_on_one():
     """Control for the test above: without unbacked / size-oblivious symbols, T = 1 is specialised and the
