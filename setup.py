@@ -22,5 +22,6 @@ setup(
             extra_compile_args=["-O2"],
         )
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+    # Ninja (when installed) compiles the sources in parallel; without it BuildExtension falls back to setuptools.
+    cmdclass={"build_ext": BuildExtension},
 )

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build k3_ops in place on a GPU machine and run the named stages; used for the H200 runs recorded in
+# Build k3_ops in place on a GPU machine and run the named stages (stages after build need the same
+# shell, so name them in one call: tools/gpu_run.sh build tests bench); used for the H200 runs recorded in
 # docs/benchmarks.md. Stages: build, tests, bench, tune, main, train, fused (default: build tests bench).
 # Results (logs, JSON, PNG) go to $OUT (default ./gpu_out). Extra pytest arguments: PYTEST_ARGS.
 set -uo pipefail
@@ -14,6 +15,10 @@ for stage in "${stages[@]}"; do
   echo "=== $stage ($(date +%T))"
   case "$stage" in
     build)
+      # Test-only wheels the GPU image lacks (expecttest), carried in .whl/ since that machine has no network.
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --target /tmp/k3_site .whl/*.whl && export PYTHONPATH=/tmp/k3_site${PYTHONPATH:+:$PYTHONPATH}
+      fi
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
       $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
       # No network there: build against the machine's torch, without build isolation or dependencies.
