@@ -410,28 +410,25 @@ class BackwardConfig:
     programs_per_sm: gradient-kernel programs per SM; grid = min(T, SMs x programs_per_sm), each program walking
         a contiguous token range. More programs give more memory parallelism but a larger dw workspace
         ([grid, H] fp64) and more L2 pressure between a token's two passes (pass 2 re-reads what pass 1 just read).
-    tile_elems / tile_elems_k16: K_PAD x BLOCK_H, the candidate tile in registers, for K_PAD <= 8 and for
-        K_PAD >= 16; BLOCK_H = tile // K_PAD (a power of two, at least 16, at most next_power_of_2(H)).
-    num_warps: warps per program. Defaults measured with ptxas for sm_90 under triton 3.6 and 3.8 (no GPU
-        needed): 16 warps with these tiles use 108-128 registers per thread and do not spill; a 16 x 256 tile
-        spills (132 bytes under 3.6) and 8 warps need 226-255 registers (one CTA per SM).
+    tile_elems: K_PAD x BLOCK_H, the candidate tile in registers; BLOCK_H = tile_elems // K_PAD (a power of two,
+        at least 16, at most next_power_of_2(H)).
+    num_warps: warps per program. The defaults, checked with ptxas for sm_90 (no GPU needed) under the runtime
+        specialisation (16-byte aligned pointers, H % 16 == 0) with triton 3.6: 90-107 registers per thread for
+        K_PAD 2..32, no spills (one 16-warp program resident per SM) and 16-byte loads (8 bf16 per thread).
     acc64: FP64 per-token statistics / softmax backward / dw accumulation (the accuracy contract's margin; see
         kernels/attn_res_bwd.py). False is plain FP32: cheaper, but its error is the eager formula's size.
     """
 
     programs_per_sm: int = 2
     tile_elems: int = 4096
-    tile_elems_k16: int = 2048
     num_warps: int = 16
     acc64: bool = True
 
     def __post_init__(self):
         if self.programs_per_sm < 1:
             raise ValueError(f"BackwardConfig.programs_per_sm must be >= 1, got {self.programs_per_sm}")
-        for name in ("tile_elems", "tile_elems_k16"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"BackwardConfig.{name} must be a power of two >= 16, got {v}")
+        if self.tile_elems < 16 or self.tile_elems & (self.tile_elems - 1):
+            raise ValueError(f"BackwardConfig.tile_elems must be a power of two >= 16, got {self.tile_elems}")
         if self.num_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"BackwardConfig.num_warps must be a power of two in [1, 32], got {self.num_warps}")
 
@@ -445,8 +442,7 @@ def choose_backward_plan(T: int, K: int, H: int, device: torch.device,
     """Resolve the backward launch for a shape (compile key: k_pad, block_h, num_warps)."""
     config = config or BACKWARD_CONFIG
     k_pad = next_power_of_2(K + 1)
-    tile = config.tile_elems if k_pad <= 8 else config.tile_elems_k16
-    block_h = min(next_power_of_2(H), max(16, tile // k_pad))
+    block_h = min(next_power_of_2(H), max(16, config.tile_elems // k_pad))
     return _backward.BackwardPlan(num_programs=min(T, num_sms(device) * config.programs_per_sm), block_h=block_h,
                                   k_pad=k_pad, acc64=config.acc64,
                                   launch_options=(("num_warps", config.num_warps),))
