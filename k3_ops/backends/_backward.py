@@ -77,8 +77,6 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
     T, C, H = block_residual.shape
     K = int(num_valid_blocks)
     dev = prefix_sum.device
-    if grad_out.size(1) > 1 and grad_out.stride(1) != 1:
-        grad_out = grad_out.contiguous()  # e.g. the expanded ones of out.sum(): the kernel reads unit-stride rows
     nw, pw = prepare_weights(norm_weight, proj_weight)
     nothing = torch.empty((0,), dtype=prefix_sum.dtype, device=dev)
     grad_prefix = torch.empty((T, H), dtype=prefix_sum.dtype, device=dev) if want_prefix else nothing
@@ -93,19 +91,22 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
     ws = (torch.empty((programs, H), dtype=torch.float64 if plan.acc64 else torch.float32, device=dev) if want_w
           else None)
 
+    # Strides come from the tensors handed to Triton (under the NPU test seam the device tensors' own strides are
+    # not the backing memory's).
     gy, x, blocks = raw(grad_out), raw(prefix_sum), raw(block_residual)
+    if gy.size(1) > 1 and gy.stride(1) != 1:
+        gy = gy.contiguous()  # e.g. the expanded ones of out.sum(): the kernel reads unit-stride grad_out rows
     # Unwritten outputs get a stand-in pointer of the same dtype (never dereferenced: the flag is off), so that
     # masked calls do not add pointer-dtype variants to the compile key.
     gp = raw(grad_prefix) if want_prefix else gy
     gb = raw(grad_blocks) if want_blocks else gy
-    h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2))
-    vec = stride_vec(prefix_sum.dtype, (prefix_sum.stride(0), block_residual.stride(0), block_residual.stride(1),
-                                        grad_out.stride(0), H, C * H))
+    h_strided = hidden_strided((x, 1), (blocks, 2))
+    vec = stride_vec(x.dtype, (x.stride(0), blocks.stride(0), blocks.stride(1), gy.stride(0), H, C * H))
     _bwd.attn_res_bwd_kernel[(programs,)](
         gy, x, blocks, raw(nw), raw(pw), gp, gb, raw(ws) if want_w else gy,
         T, K, C, H, float(eps), tokens_per_prog,
-        grad_out.stride(0) // vec, prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
-        block_residual.stride(1) // vec, block_residual.stride(2), H // vec, (C * H) // vec, H // vec,
+        gy.stride(0) // vec, x.stride(0) // vec, x.stride(1), blocks.stride(0) // vec, blocks.stride(1) // vec,
+        blocks.stride(2), H // vec, (C * H) // vec, H // vec,
         BLOCK_H=plan.block_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, WRITE_PREFIX=want_prefix,
         WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64, **dict(plan.launch_options))
     if want_w:
