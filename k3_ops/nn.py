@@ -107,10 +107,9 @@ class ResidualBank(nn.Module):
         """[num_tokens, C, H] view of the storage (strided for block-major storage); shares its memory."""
         if torch.compiler.is_compiling():
             # A Python `if` on a symbolic token count would be a guard (data-dependent, i.e. an error, when
-            # the count is unbacked); torch._check_value becomes a deferred runtime assert instead. Its
-            # message may only close over constants, so the traced value cannot be quoted.
-            limit = f"num_tokens must be <= max_num_tokens={self.max_num_tokens} (ResidualBank.view)"
-            torch._check_value(num_tokens <= self.max_num_tokens, lambda: limit)
+            # the count is unbacked); torch._check becomes a deferred runtime assert, whose own message names
+            # the rule and the symbol ("u0 <= 512"). No message closure: not every release's dynamo traces one.
+            torch._check(num_tokens <= self.max_num_tokens)
         elif not 0 <= num_tokens <= self.max_num_tokens:
             raise ValueError(f"num_tokens must be in [0, max_num_tokens={self.max_num_tokens}], got {num_tokens}")
         # narrow, not buffer[:T]: a slice's length is min(T, T_max), and under torch.compile a broadcast check

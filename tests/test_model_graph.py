@@ -300,6 +300,18 @@ def test_compiled_stack_one_graph_no_recompile_equals_eager(variant, mode):
     assert counter.op_count > mixes, f"op_count={counter.op_count} cannot hold the {mixes} mixes"
 
 
+@torch.no_grad()
+def test_compiled_stack_refuses_more_tokens_than_the_bank_holds():
+    """ResidualBank.view's torch._check(T <= max_num_tokens) survives compilation: an oversized step fails
+    instead of writing past the bank. (Which exception depends on the release: with an unbacked T dynamo
+    turns the check into an input guard whose failure it reports as an AssertionError.)"""
+    model = ToyK3Model(num_layers=4, fused=True, max_num_tokens=64)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    compiled(mark_tokens_unbacked(make_input(64)))
+    with pytest.raises(Exception, match=r"64"):
+        compiled(mark_tokens_unbacked(make_input(65)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, mode", [
     pytest.param(dict(fused=False, layout="tokenmajor"), "unbacked", id="unfused-tokenmajor-unbacked"),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import k3_ops
+import k3_ops.reference
 from k3_ops.nn import AttnRes, ResidualBank, RMSNorm
 from k3_ops.reference import rms_norm_reference
 
@@ -61,6 +62,20 @@ def test_unloaded_module_averages_the_candidates():
     with torch.no_grad():
         out = m(prefix, blocks, 2)
     torch.testing.assert_close(out, (blocks.sum(1) + prefix) / 3)
+
+
+def test_parameters_train_through_the_op():
+    """Gradients reach norm.weight and proj.weight (by the op's autograd) and equal autograd of the formula."""
+    sample = Sample(T=5, K=2, cap=3, H=16, dtype=torch.float64, layout="blockmajor")
+    args = sample.make("cpu")
+    m = module_for(sample, args, "cpu").double()
+    m(args["prefix_sum"], args["block_residual"], sample.K).square().sum().backward()
+    nw = args["norm_weight"].double().requires_grad_(True)
+    pw = args["proj_weight"].double().reshape(1, sample.H).requires_grad_(True)
+    k3_ops.reference.attn_res_reference(args["prefix_sum"], args["block_residual"], nw, pw, sample.K,
+                                        sample.eps).square().sum().backward()
+    torch.testing.assert_close(m.norm.weight.grad, nw.grad)
+    torch.testing.assert_close(m.proj.weight.grad, pw.grad)
 
 
 @pytest.mark.parametrize("sample", sample_params())
