@@ -169,12 +169,13 @@ def npu_block_h(H: int, k_pad: int, itemsize: int, compensated: bool = False) ->
 
     Bytes per tile column: the [K_PAD] candidate values loaded in the I/O dtype, double-buffered by
     multibuffer (2 * itemsize), converted to FP32 (4) and one FP32 product temporary (x * x, x * w or p * x: 4),
-    so K_PAD * (2 * itemsize + 8), plus K_PAD * 8 more for the compensated (TwoSum) reductions of fp32 I/O
-    (the lo operands and the error terms); plus the prefix row (2 * itemsize + 4), the two weight rows and the
-    folded w (3 * 4) and the output row (4 + itemsize). bf16, K_PAD = 16 (K <= 15): 218 B per column ->
-    BLOCK_H = 512 (109 KB); K_PAD = 8: 122 B -> 1024 (122 KB); fp32, K_PAD = 16: 416 B -> 256 (104 KB).
+    so K_PAD * (2 * itemsize + 8); for the compensated sums of fp32 I/O add K_PAD * 28 (four FP32 (hi, lo)
+    accumulator tiles that live across the chunk loop, 16, and three TwoSum temporaries, 12); plus the prefix
+    row (2 * itemsize + 4), the two weight rows and the folded w (3 * 4) and the output row (4 + itemsize).
+    bf16, K_PAD = 16 (K <= 15): 218 B per column -> BLOCK_H = 512 (109 KB); K_PAD = 8: 122 B -> 1024
+    (122 KB); fp32 (compensated), K_PAD = 16: 736 B -> 128 (92 KB).
     """
-    per_col = k_pad * (2 * itemsize + 8 + (8 if compensated else 0)) + (2 * itemsize + 4) + 12 + (4 + itemsize)
+    per_col = k_pad * (2 * itemsize + 8 + (28 if compensated else 0)) + (2 * itemsize + 4) + 12 + (4 + itemsize)
     limit = next_power_of_2(H)
     block = 16
     while block * 2 <= limit and block * 2 * per_col <= UB_BUDGET_BYTES:

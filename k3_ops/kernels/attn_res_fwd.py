@@ -252,20 +252,54 @@ def _two_sum_combine(a_hi, a_lo, b_hi, b_lo):
 
 
 @triton.jit
-def _npu_stats(x, w, COMPENSATED: tl.constexpr):
-    # Per-candidate (sum v^2, <v, w>) of one [K_PAD, BLOCK_H] tile as (hi, lo) pairs. Ascend vector cores have
-    # no FP64, so fp32 I/O gets compensated (TwoSum) reductions instead: plain FP32 sums would make the score's
-    # rounding error the dominant output error (see _stats). bf16/fp16 I/O: plain FP32, lo = 0.
-    xx = x * x
-    xw = x * w[None, :]
-    if COMPENSATED:
-        ss_hi, ss_lo = tl.reduce((xx, tl.zeros_like(xx)), 1, _two_sum_combine)
-        d_hi, d_lo = tl.reduce((xw, tl.zeros_like(xw)), 1, _two_sum_combine)
-        return ss_hi, ss_lo, d_hi, d_lo
-    else:
-        ss = tl.sum(xx, axis=1)
-        d = tl.sum(xw, axis=1)
-        return ss, tl.zeros_like(ss), d, tl.zeros_like(d)
+def _fast_two_sum(a, b):
+    # |a| >= |b|: hi + lo == a + b exactly.
+    hi = a + b
+    return hi, b - (hi - a)
+
+
+@triton.jit
+def _two_prod(a, b):
+    # Dekker's TwoProduct without FMA: hi + lo == a * b exactly. The split keeps 12 significant bits in the high
+    # part (mask off the low 12 mantissa bits), so every partial product below is exact in FP32; an FMA the
+    # compiler might contract into is exact on these operands too.
+    p = a * b
+    a_hi = (a.to(tl.int32, bitcast=True) & -4096).to(tl.float32, bitcast=True)
+    b_hi = (b.to(tl.int32, bitcast=True) & -4096).to(tl.float32, bitcast=True)
+    a_lo = a - a_hi
+    b_lo = b - b_hi
+    return p, ((a_hi * b_hi - p) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
+
+
+@triton.jit
+def _df_mul(a_hi, a_lo, b_hi, b_lo):
+    p, e = _two_prod(a_hi, b_hi)
+    return _fast_two_sum(p, e + (a_hi * b_lo + a_lo * b_hi))
+
+
+@triton.jit
+def _df_softmax_weights(ss_hi, ss_lo, d_hi, d_lo, valid, H, eps):
+    """softmax(rsqrt(ss / H + eps) * d) over [K_PAD] candidates from double-float (hi, lo) statistics, with the
+    score carried in double-float arithmetic (FP32 only, for Ascend): an FP32 score's absolute rounding error
+    (~1e-7 x |s|) becomes the weights' relative error, which dominates fp32 outputs."""
+    # m = ss / H + eps
+    q = ss_hi / H
+    p, e = _two_prod(q, H.to(tl.float32))
+    m_hi, m_lo = _fast_two_sum(q, (((ss_hi - p) - e) + ss_lo) / H)
+    m_hi, m_lo = _two_sum_combine(m_hi, m_lo, eps, 0.0)
+    m_hi, m_lo = _fast_two_sum(m_hi, m_lo)
+    # r = 1 / sqrt(m): FP32 estimate, then one Newton step on the double-float residual m * r0^2 - 1.
+    r0 = 1.0 / tl.sqrt(m_hi)
+    sq_hi, sq_lo = _two_prod(r0, r0)
+    t_hi, t_lo = _df_mul(m_hi, m_lo, sq_hi, sq_lo)
+    r_hi, r_lo = _fast_two_sum(r0, -0.5 * r0 * ((t_hi - 1.0) + t_lo))
+    s_hi, s_lo = _df_mul(d_hi, d_lo, r_hi, r_lo)
+    mx = tl.max(tl.where(valid, s_hi, -float("inf")), axis=0)
+    # exp(s - mx) with the low part applied to first order (|s_lo| ~ 1e-7 |s|). Padding rows get weight 0 (and
+    # stay finite on the way: no inf - inf).
+    dl_hi, dl_lo = _two_sum_combine(tl.where(valid, s_hi, mx), tl.where(valid, s_lo, 0.0), -mx, 0.0)
+    w = tl.where(valid, tl.exp(dl_hi) * (1.0 + dl_lo), 0.0)
+    return w / tl.sum(w, axis=0)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + ["tokens_per_prog"])
@@ -273,35 +307,47 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
                         stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
                         BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
                         COMPENSATED: tl.constexpr):
+    # COMPENSATED (fp32 I/O): Ascend vector cores have no FP64, so where the CUDA kernels score in FP64 this one
+    # keeps "double-float" (hi, lo) sums instead: per tile element across chunks with TwoSum (elementwise, so
+    # cheap), then one TwoSum tree reduction per token. Plain FP32 sums would make the score's rounding the
+    # dominant output error for fp32 I/O (see _stats). bf16/fp16 I/O: plain FP32 sums of each chunk.
     pid = tl.program_id(0)
     t_begin = pid * tokens_per_prog
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
     rows = tl.arange(0, K_PAD)
     for t in range(t_begin, t_end):
-        # Pass 1: per-candidate sum(v^2) and <v, w>, chunk by chunk (hi/lo pairs; lo stays 0 unless COMPENSATED).
-        ss_hi = tl.zeros([K_PAD], dtype=tl.float32)
-        ss_lo = tl.zeros([K_PAD], dtype=tl.float32)
-        d_hi = tl.zeros([K_PAD], dtype=tl.float32)
-        d_lo = tl.zeros([K_PAD], dtype=tl.float32)
+        # Pass 1: per-candidate sum(v^2) and <v, w>, chunk by chunk.
+        if COMPENSATED:
+            ss_hi = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+            ss_lo = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+            d_hi = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+            d_lo = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+        else:
+            ss_acc = tl.zeros([K_PAD], dtype=tl.float32)
+            d_acc = tl.zeros([K_PAD], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             hmask = cols < H
             x = _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
                                stride_bc, stride_bh, VEC, H_STRIDED)
             w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
-            c_ss_hi, c_ss_lo, c_d_hi, c_d_lo = _npu_stats(x, w, COMPENSATED)
             if COMPENSATED:
-                ss_hi, ss_lo = _two_sum_combine(ss_hi, ss_lo, c_ss_hi, c_ss_lo)
-                d_hi, d_lo = _two_sum_combine(d_hi, d_lo, c_d_hi, c_d_lo)
+                ss_hi, ss_lo = _two_sum_combine(ss_hi, ss_lo, x * x, 0.0)
+                d_hi, d_lo = _two_sum_combine(d_hi, d_lo, x * w[None, :], 0.0)
             else:
-                ss_hi += c_ss_hi
-                d_hi += c_d_hi
-        ss = ss_hi + ss_lo
-        d = d_hi + d_lo
-        # Plain sqrt / division: the Ascend vector unit's are IEEE-accurate in FP32 (no approximate rsqrt).
-        s = tl.where(rows <= K, d / tl.sqrt(ss / H + eps), -float("inf"))
-        p = tl.exp(s - tl.max(s, axis=0))
-        p = p / tl.sum(p, axis=0)
+                ss_acc += tl.sum(x * x, axis=1)
+                d_acc += tl.sum(x * w[None, :], axis=1)
+        if COMPENSATED:
+            ss_hi, ss_lo = tl.reduce((ss_hi, ss_lo), 1, _two_sum_combine)
+            d_hi, d_lo = tl.reduce((d_hi, d_lo), 1, _two_sum_combine)
+            ss_hi, ss_lo = _fast_two_sum(ss_hi, ss_lo)
+            d_hi, d_lo = _fast_two_sum(d_hi, d_lo)
+            p = _df_softmax_weights(ss_hi, ss_lo, d_hi, d_lo, rows <= K, H, eps)
+        else:
+            # Plain sqrt / division: the Ascend vector unit's are IEEE-accurate in FP32 (no approximate rsqrt).
+            s = tl.where(rows <= K, d_acc / tl.sqrt(ss_acc / H + eps), -float("inf"))
+            p = tl.exp(s - tl.max(s, axis=0))
+            p = p / tl.sum(p, axis=0)
         # Pass 2: re-read each chunk and write the mix.
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)

@@ -1,0 +1,196 @@
+"""Recompile safety (issue 3): token counts T in {1, 7, 16, 17, 512} with fixed K, H and dtype use one compiled
+kernel per launch path, and after ``k3_ops.warmup`` the default launch table compiles nothing new.
+
+Two ways of counting:
+- everywhere (also under the interpreter, which compiles nothing): the launches are intercepted and their Triton
+  *compile key* is computed with Triton's own specialisation rules (constexpr values, pointer dtypes and 16-byte
+  alignment, and for every int argument not listed in ``do_not_specialize`` whether it is 1 or a multiple of 16).
+  The kernels do not run, so this is cheap.
+- on a GPU: the compiled variants in each JITFunction's device cache, before and after.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import k3_ops
+
+from conftest import Sample, requires_cuda
+
+TOKEN_COUNTS = (1, 7, 16, 17, 512)
+KERNEL_NAMES = ("attn_res_rows_kernel", "attn_res_split_kernel", "attn_res_npu_kernel")
+
+
+def _do_not_specialize(fn) -> set[str]:
+    names = getattr(fn, "do_not_specialize", None)  # JITFunction
+    if names is None:
+        names = getattr(fn, "kwargs", {}).get("do_not_specialize")  # InterpretedFunction
+    arg_names = fn.arg_names
+    return {arg_names[n] if isinstance(n, int) else n for n in (names or [])}
+
+
+def compile_key(fn, args, kwargs) -> tuple:
+    """What Triton would compile this launch for (its specialisation rules, spelled out)."""
+    dns = _do_not_specialize(fn)
+    key = []
+    for name, a in zip(fn.arg_names, args):
+        if isinstance(a, torch.Tensor):
+            key.append((name, a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool):
+            key.append((name, a))
+        elif isinstance(a, int):
+            wide = not -2 ** 31 <= a < 2 ** 31
+            key.append((name, "int", wide) if name in dns else (name, a == 1, a % 16 == 0, wide))
+        elif isinstance(a, float):
+            key.append((name, "fp32"))
+        else:
+            key.append((name, repr(a)))
+    return tuple(key) + tuple(sorted(kwargs.items()))
+
+
+class _Recorder:
+    """Stands in for a kernel: records the compile key of every launch; runs the real kernel if asked."""
+
+    def __init__(self, fn, run: bool):
+        self.fn, self.run, self.keys = fn, run, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.keys.append(compile_key(self.fn, args, kwargs))
+            if self.run:
+                return self.fn[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture
+def recorders(monkeypatch):
+    """Intercept the forward kernels; ``recorders(run=...)`` returns {name: _Recorder}."""
+    from k3_ops.kernels import attn_res_fwd
+
+    def install(run: bool = False):
+        recs = {}
+        for name in KERNEL_NAMES:
+            recs[name] = _Recorder(getattr(attn_res_fwd, name), run)
+            monkeypatch.setattr(attn_res_fwd, name, recs[name])
+        return recs
+
+    return install
+
+
+def _run_cuda_policy(T, device, config=None, H=7168, K=4, dtype=torch.bfloat16):
+    from k3_ops.backends import cuda
+
+    args = Sample(T=T, K=K, cap=8, H=H, dtype=dtype).make(device=device)
+    return cuda.attn_res_forward(**args, config=config)
+
+
+def _cpu_or_cuda() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("path", ["rows", "split"])
+def test_one_compile_key_per_cuda_path(recorders, path):
+    from k3_ops.backends.cuda import LaunchConfig
+
+    recs = recorders(run=False)
+    device = _cpu_or_cuda()
+    if path == "rows":
+        config, H = LaunchConfig(kernel="rows"), 7168
+    else:
+        # H = 64 in one 64-wide chunk: every T up to 512 keeps the split path (512 programs <= SMs x 4).
+        config, H = LaunchConfig(kernel="split", chunk=64, max_chunk=64, split_ctas_per_sm=4), 64
+    for T in TOKEN_COUNTS:
+        _run_cuda_policy(T, device, config, H=H)
+    rec = recs[f"attn_res_{path}_kernel"]
+    other = recs["attn_res_split_kernel" if path == "rows" else "attn_res_rows_kernel"]
+    assert other.keys == [], f"the {path} config fell back to the other path"
+    launches_per_call = len(rec.keys) // len(TOKEN_COUNTS)
+    assert len(set(rec.keys)) == launches_per_call, (
+        f"{len(set(rec.keys))} compile keys for T in {TOKEN_COUNTS} (expected {launches_per_call}: one per launch "
+        f"of a call)")
+
+
+def test_one_compile_key_for_npu_policy(recorders):
+    from k3_ops.backends import npu
+
+    recs = recorders(run=False)
+    with npu.substitute(num_vector_cores=lambda device: 20):
+        for T in TOKEN_COUNTS:
+            npu.attn_res_forward(**Sample(T=T, K=4, cap=8, H=7168).make())
+    keys = recs["attn_res_npu_kernel"].keys
+    assert len(keys) == len(TOKEN_COUNTS) and len(set(keys)) == 1
+
+
+def test_k_is_not_a_compile_key_within_a_k_pad(recorders):
+    # K is a runtime argument: K = 5, 6, 7 share K_PAD = 8 and therefore one compiled kernel on every path.
+    from k3_ops.backends import cuda, npu
+
+    recs = recorders(run=False)
+    for K in (5, 6, 7):
+        args = Sample(T=7, K=K, cap=8, H=7168).make()
+        cuda.attn_res_forward(**args)
+        cuda.attn_res_forward(**args, config=cuda.LaunchConfig(kernel="rows"))
+        with npu.substitute(num_vector_cores=lambda device: 20):
+            npu.attn_res_forward(**args)
+    for name, rec in recs.items():
+        assert len(rec.keys) % 3 == 0 and len(set(rec.keys)) == len(rec.keys) // 3, name
+
+
+def test_block_major_shares_token_major_kernels(recorders):
+    from k3_ops.backends import cuda
+
+    recs = recorders(run=False)
+    for layout in ("tokenmajor", "blockmajor"):
+        for T in (7, 512):
+            cuda.attn_res_forward(**Sample(T=T, K=4, cap=8, H=7168, layout=layout).make())
+    for name in ("attn_res_rows_kernel", "attn_res_split_kernel"):
+        keys = recs[name].keys
+        assert keys and len(set(keys)) == len(keys) // 2, name
+
+
+def test_warmup_covers_the_default_table(recorders):
+    from k3_ops.backends import cuda
+
+    recs = recorders(run=False)
+    device = torch.device(_cpu_or_cuda())
+    n = cuda.warmup(7168, torch.bfloat16, device, max_num_valid_blocks=8, max_num_tokens=1024)
+    warm = {name: set(rec.keys) for name, rec in recs.items()}
+    assert n == len(cuda._warmup_plans(device, 7168, 8, 1024))
+    for T in TOKEN_COUNTS + (2, 9, 33, 100):
+        for K in (1, 8):
+            for layout in ("tokenmajor", "blockmajor"):
+                cuda.attn_res_forward(**Sample(T=T, K=K, cap=9, H=7168, layout=layout).make())
+    for name, rec in recs.items():
+        new = set(rec.keys) - warm[name]
+        assert not new, f"{name}: {len(new)} compile keys not covered by warmup"
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_compiled_variants():
+    # The real thing: count compiled kernels in the JITFunctions' device caches.
+    from k3_ops.backends import cuda
+    from k3_ops.kernels import attn_res_fwd
+
+    def count():
+        return {name: sum(len(c[0]) for c in getattr(attn_res_fwd, name).device_caches.values())
+                for name in KERNEL_NAMES}
+
+    before = count()
+    for T in TOKEN_COUNTS:
+        _run_cuda_policy(T, "cuda", cuda.LaunchConfig(kernel="rows"))
+    after_rows = count()
+    assert after_rows["attn_res_rows_kernel"] - before["attn_res_rows_kernel"] <= 1
+    split = cuda.LaunchConfig(kernel="split", chunk=64, max_chunk=64, split_ctas_per_sm=4)
+    for T in TOKEN_COUNTS:
+        _run_cuda_policy(T, "cuda", split, H=64)
+    after_split = count()
+    assert after_split["attn_res_split_kernel"] - after_rows["attn_res_split_kernel"] <= 2  # one per PHASE used
+    k3_ops.warmup(7168, torch.bfloat16, "cuda", max_num_valid_blocks=8, max_num_tokens=1024)
+    warmed = count()
+    for T in TOKEN_COUNTS:
+        for K in (1, 4, 8):
+            _run_cuda_policy(T, "cuda", K=K)
+    torch.cuda.synchronize()
+    assert count() == warmed, "the default table compiled new kernels after warmup"
