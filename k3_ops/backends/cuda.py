@@ -165,7 +165,8 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
 def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     # Tunable defaults (the lead tunes them on the H200 with k3_ops.bench). Small T: split H across programs so
     # that more SMs pull memory for one token; large T: one token per program already fills the GPU.
-    if t_bucket <= 64 and k_bucket + 1 <= SPLIT_MAX_CANDIDATES:
+    # The K bucket 16 holds K = 9..16; choose_config still checks the actual K + 1 <= SPLIT_MAX_CANDIDATES.
+    if t_bucket <= 64 and k_bucket <= SPLIT_MAX_CANDIDATES:
         return LaunchConfig(kernel="split", chunk=512)
     return LaunchConfig(kernel="rows", tokens_per_prog=1)
 
