@@ -12,8 +12,9 @@ How the simulation works (issue 3, item 3):
   policy's documented seam, ``k3_ops.backends.npu.substitute(raw_tensor=...)``, plus a vector-core count.
 
 Registering a PrivateUse1 backend is process-global: the rename happens once per process (torch allows no
-other), and the kernel registrations live in ``torch.library.Library`` objects that the module-scoped fixture
-destroys at teardown, so CPU/CUDA tests in the same run are unaffected. Other test modules reuse the fixture
+other), the kernel registrations live in ``torch.library.Library`` objects that the module-scoped fixture
+destroys at teardown, and the device reports itself available (``torch.accelerator``) only while the fixture is
+active, so CPU/CUDA tests in the same run are unaffected. Other test modules reuse the fixture
 with ``from test_npu_simulated import simulated_npu  # noqa: F401``.
 """
 from __future__ import annotations
@@ -113,12 +114,33 @@ class SimulatedNpu:
         return to_raw(t)
 
 
+class _Availability:
+    """Whether the simulated device reports itself available: only while the fixture is active, so that
+    torch.accelerator (used e.g. by opcheck's RNG freezing) ignores it in the rest of the test session."""
+
+    active = False
+
+
 def _setup_backend_once() -> None:
     if torch._C._get_privateuse1_backend_name() == "npu":
         return  # already set up by an earlier module in this process
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    from torch.utils import backend_registration as br
 
-    _setup_privateuseone_for_python_backend("npu")
+    class Hooks(br._DummyPrivateUse1Hook):
+        def is_available(self) -> bool:
+            return _Availability.active
+
+    class Module(br._DummyBackendModule):
+        def is_available(self) -> bool:
+            return _Availability.active
+
+        def get_rng_state(self, device=None):
+            return torch.empty(0, dtype=torch.uint8)  # no RNG on the simulated device
+
+        def set_rng_state(self, state, device=None) -> None:
+            pass
+
+    br._setup_privateuseone_for_python_backend("npu", backend_module=Module(), hook=Hooks())
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +160,12 @@ def simulated_npu():
     aten_lib.impl("_copy_from", _copy_from, "PrivateUse1")
     from k3_ops.backends import npu
 
+    _Availability.active = True
     try:
         with npu.substitute(raw_tensor=to_raw, num_vector_cores=lambda device: SIM_VECTOR_CORES):
             yield SimulatedNpu(torch.device("npu", 0))
     finally:
+        _Availability.active = False
         aten_lib._destroy()
         fallback_lib._destroy()
 
