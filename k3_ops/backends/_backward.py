@@ -36,8 +36,9 @@ class BackwardPlan:
 
     num_programs: programs of the gradient kernel, each walking a contiguous token range (bounded by the device).
     block_h: hidden tile (power of two); k_pad: candidate tile height, next_power_of_2(K + 1).
-    acc64: FP64 statistics, softmax backward and weight-gradient accumulation (see ``attn_res_bwd_kernel``);
-        False for devices without FP64 arithmetic.
+    acc64: FP64 statistics, softmax backward and weight-gradient accumulation (see ``attn_res_bwd_kernel``).
+    df: the same statistics and softmax backward in double-float FP32 arithmetic (devices without FP64); the
+        weight gradient then accumulates in FP32. Neither: plain FP32.
     launch_options: extra launch keyword arguments (``num_warps`` on CUDA, ``multibuffer`` under triton-ascend).
     """
 
@@ -45,6 +46,7 @@ class BackwardPlan:
     block_h: int
     k_pad: int
     acc64: bool
+    df: bool = False
     launch_options: tuple[tuple[str, object], ...] = field(default=())
 
 
@@ -108,7 +110,8 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
         gy.stride(0) // vec, x.stride(0) // vec, x.stride(1), blocks.stride(0) // vec, blocks.stride(1) // vec,
         blocks.stride(2), H // vec, (C * H) // vec, H // vec,
         BLOCK_H=plan.block_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, WRITE_PREFIX=want_prefix,
-        WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64, **dict(plan.launch_options))
+        WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64, DF=plan.df and not plan.acc64,
+        **dict(plan.launch_options))
     if want_w:
         block = min(REDUCE_BLOCK_H, next_power_of_2(H))
         _bwd.attn_res_bwd_dw_reduce_kernel[(triton.cdiv(H, block),)](

@@ -280,12 +280,14 @@ def npu_bwd_block_h(H: int, k_pad: int, itemsize: int) -> int:
 
     Bytes per tile column, pass 2 (the larger pass): the [K_PAD] candidate values loaded in the I/O dtype and
     double-buffered by multibuffer (2 * itemsize), their FP32 copy (4), one FP32 product temporary (4), the
-    FP32 dv (4) and dv cast to the I/O dtype for the stores (itemsize): K_PAD * (3 * itemsize + 12); plus the
-    prefix and grad_out rows (each double-buffered and in FP32: 2 * (2 * itemsize + 4)), the two weight rows
-    and the folded w (3 * 4) and the dw workspace row with this token's contribution (2 * 4).
-    bf16, K_PAD = 16 (K <= 15): 324 B per column -> BLOCK_H = 256 (81 KB); K_PAD = 8: 180 B -> 512 (90 KB).
+    FP32 dv (4) and dv cast to the I/O dtype for the stores (itemsize), and the six FP32 double-float statistic
+    accumulators of pass 1 (hi and lo of sum(v^2), <v, w>, <v, gy>: 24) that live across the chunk loop:
+    K_PAD * (3 * itemsize + 36); plus the prefix and grad_out rows (each double-buffered and in FP32:
+    2 * (2 * itemsize + 4)), the two weight rows and the folded w (3 * 4) and the dw workspace row with this
+    token's contribution (2 * 4). bf16, K_PAD = 16 (K <= 15): 708 B per column -> BLOCK_H = 128 (89 KB);
+    K_PAD = 8: 372 B -> 256 (93 KB).
     """
-    per_col = k_pad * (3 * itemsize + 12) + 2 * (2 * itemsize + 4) + 12 + 8
+    per_col = k_pad * (3 * itemsize + 36) + 2 * (2 * itemsize + 4) + 12 + 8
     limit = next_power_of_2(H)
     block = 16
     while block * 2 <= limit and block * 2 * per_col <= UB_BUDGET_BYTES:
@@ -299,7 +301,8 @@ def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_re
     """kimi_k3::attn_res_backward on Ascend NPU (PrivateUse1) tensors.
 
     Grid = the vector-core count (``num_vector_cores``, through the seam), program p walking a contiguous token
-    range; per token two passes over H in [K_PAD, npu_bwd_block_h] tiles; the weight gradient goes through an
+    range; per token two passes over H in [K_PAD, npu_bwd_block_h] tiles; the per-token statistics and softmax
+    backward in double-float FP32 arithmetic (no FP64 on the vector cores); the weight gradient goes through an
     fp32 workspace [cores, H] and a fixed-order reduction (no atomics: identical bits from run to run).
 
     Args (already checked by ``k3_ops._C.check_attn_res_backward``):
@@ -319,7 +322,7 @@ def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_re
     k_pad = next_power_of_2(int(num_valid_blocks) + 1)
     plan = _backward.BackwardPlan(num_programs=num_vector_cores(prefix_sum.device),
                                   block_h=npu_bwd_block_h(H, k_pad, prefix_sum.element_size()), k_pad=k_pad,
-                                  acc64=False,  # Ascend vector cores have no FP64 arithmetic
+                                  acc64=False, df=True,  # Ascend vector cores have no FP64: double-float
                                   launch_options=tuple(launch_options().items()))
     return _backward.run_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
                                            num_valid_blocks, eps, output_mask, plan, raw=raw)

@@ -33,8 +33,143 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Double-float ("FP32 pair") primitives shared with the forward's Ascend kernel (exact TwoSum / TwoProduct).
+from .attn_res_fwd import _df_mul, _fast_two_sum, _two_prod, _two_sum_combine
+
 _BWD_RUNTIME_INTS = ["T", "K", "C", "tokens_per_prog", "stride_gyt", "stride_pt", "stride_ph", "stride_bt",
                      "stride_bc", "stride_bh", "stride_gpt", "stride_gbt", "stride_gbc"]
+
+
+@triton.jit
+def _df_div_int(hi, lo, n):
+    # (hi + lo) / n in double-float for a positive integer n (exact in FP32): quotient, then the exact remainder.
+    nf = n.to(tl.float32)
+    q = hi / nf
+    p, e = _two_prod(q, nf)
+    return _fast_two_sum(q, (((hi - p) - e) + lo) / nf)
+
+
+@triton.jit
+def _df_row_sums3(a_hi, a_lo, b_hi, b_lo, c_hi, c_lo, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row sums of three double-float [K_PAD, BLOCK_H] tiles: a pairwise tree of TwoSums, one vectorised level at a
+    time (adjacent columns paired through reshape + split), then normalised. Returns six [K_PAD] vectors.
+    (tl.reduce with a TwoSum combine is the same sum, but the Triton interpreter runs a custom combine one
+    element at a time; this form is also fixed-order by construction.)"""
+    for i in tl.static_range(16):
+        if (BLOCK_H >> i) > 1:
+            x_hi, y_hi = tl.split(tl.reshape(a_hi, [K_PAD, BLOCK_H >> (i + 1), 2]))
+            x_lo, y_lo = tl.split(tl.reshape(a_lo, [K_PAD, BLOCK_H >> (i + 1), 2]))
+            a_hi = x_hi + y_hi
+            t_ = a_hi - x_hi
+            a_lo = x_lo + y_lo + ((x_hi - (a_hi - t_)) + (y_hi - t_))
+            x_hi, y_hi = tl.split(tl.reshape(b_hi, [K_PAD, BLOCK_H >> (i + 1), 2]))
+            x_lo, y_lo = tl.split(tl.reshape(b_lo, [K_PAD, BLOCK_H >> (i + 1), 2]))
+            b_hi = x_hi + y_hi
+            t_ = b_hi - x_hi
+            b_lo = x_lo + y_lo + ((x_hi - (b_hi - t_)) + (y_hi - t_))
+            x_hi, y_hi = tl.split(tl.reshape(c_hi, [K_PAD, BLOCK_H >> (i + 1), 2]))
+            x_lo, y_lo = tl.split(tl.reshape(c_lo, [K_PAD, BLOCK_H >> (i + 1), 2]))
+            c_hi = x_hi + y_hi
+            t_ = c_hi - x_hi
+            c_lo = x_lo + y_lo + ((x_hi - (c_hi - t_)) + (y_hi - t_))
+    a_hi = tl.reshape(a_hi, [K_PAD])
+    a_lo = tl.reshape(a_lo, [K_PAD])
+    b_hi = tl.reshape(b_hi, [K_PAD])
+    b_lo = tl.reshape(b_lo, [K_PAD])
+    c_hi = tl.reshape(c_hi, [K_PAD])
+    c_lo = tl.reshape(c_lo, [K_PAD])
+    # Normalise: hi = round(hi + lo), lo = the rest (|hi| >= |lo| holds after the tree).
+    t_ = a_hi + a_lo
+    a_lo = a_lo - (t_ - a_hi)
+    a_hi = t_
+    t_ = b_hi + b_lo
+    b_lo = b_lo - (t_ - b_hi)
+    b_hi = t_
+    t_ = c_hi + c_lo
+    c_lo = c_lo - (t_ - c_hi)
+    c_hi = t_
+    return a_hi, a_lo, b_hi, b_lo, c_hi, c_lo
+
+
+@triton.jit
+def _split12(a):
+    # a = hi + lo with hi keeping 12 significant bits: products of two such halves are exact in FP32.
+    hi = (a.to(tl.int32, bitcast=True) & -4096).to(tl.float32, bitcast=True)
+    return hi, a - hi
+
+
+@triton.jit
+def _df_exp(z_hi, z_lo):
+    """exp(z_hi + z_lo) for z <= 0 as a double-float, in FP32 arithmetic only (no FP64 on the device): z = k ln2 + r
+    with |r| <= ln2 / 2; exp(r) = 1 + r (1 + r/2 (1 + r/3 (...))) from the inside out, the outer four levels in
+    double-float, the inner ones in FP32 (their share is below r^4 / 24 < 7e-4, so FP32 is ample); then the
+    exact power of two 2^k from the exponent bits. Relative error ~1e-12 where plain FP32 exp gives ~1e-7.
+    Written without nested helper calls (the Triton interpreter pays milliseconds per call)."""
+    k = tl.maximum(tl.floor(z_hi * 1.4426950408889634 + 0.5), -126.0)  # below 2^-126 the weight is 0 anyway
+    r_hi = z_hi - k * 0.693145751953125  # ln2 high part: 16 significant bits, so k * it is exact (|k| <= 126)
+    r_lo = z_lo - k * 1.4286068202862268e-06  # ln2 - 0.693145751953125
+    t = r_hi + r_lo
+    r_lo = r_lo - (t - r_hi)
+    r_hi = t
+    q = 1.0 + r_hi / 12.0
+    for i in tl.static_range(7):
+        q = 1.0 + r_hi * q / (11 - i)  # n = 11 .. 5
+    p_hi = q
+    p_lo = tl.zeros_like(q)
+    rh_h, rh_l = _split12(r_hi)
+    for i in tl.static_range(4):
+        # (p_hi, p_lo) = 1 + r * (p_hi, p_lo) / n for n = 4, 3, 2, 1, in double-float.
+        m = r_hi * p_hi
+        ph_h, ph_l = _split12(p_hi)
+        m_lo = (((rh_h * ph_h - m) + rh_h * ph_l + rh_l * ph_h) + rh_l * ph_l) + r_hi * p_lo + r_lo * p_hi
+        dq = m / (4 - i)
+        dq_h, dq_l = _split12(dq)
+        pn = dq * (4 - i)
+        pn_err = dq_h * (4 - i) - pn + dq_l * (4 - i)  # n has 3 bits: both partial products are exact
+        dq_lo = ((m - pn) - pn_err + m_lo) / (4 - i)
+        p_hi = 1.0 + dq
+        p_lo = (dq - (p_hi - 1.0)) + dq_lo
+    scale = ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    return p_hi * scale, p_lo * scale
+
+
+@triton.jit
+def _df_softmax_backward(ss_hi, ss_lo, d_hi, d_lo, g_hi, g_lo, valid, H, eps):
+    """The per-token scalar chain from double-float (hi, lo) statistics, carried in double-float FP32 arithmetic
+    (for devices without FP64): r = rsqrt(ss / H + eps), s = r d, p = softmax(s), gs = p (g - sum p g),
+    c = d r^3 / H, a = gs r. Returns p, gs, r, c, a rounded to FP32 (zero on padding rows)."""
+    m_hi, m_lo = _df_div_int(ss_hi, ss_lo, H)
+    m_hi, m_lo = _two_sum_combine(m_hi, m_lo, eps, 0.0)
+    m_hi, m_lo = _fast_two_sum(m_hi, m_lo)
+    # r = 1 / sqrt(m): FP32 estimate, then one Newton step on the double-float residual m * r0^2 - 1.
+    r0 = 1.0 / tl.sqrt(m_hi)
+    sq_hi, sq_lo = _two_prod(r0, r0)
+    t_hi, t_lo = _df_mul(m_hi, m_lo, sq_hi, sq_lo)
+    r_hi, r_lo = _fast_two_sum(r0, -0.5 * r0 * ((t_hi - 1.0) + t_lo))
+    s_hi, s_lo = _df_mul(d_hi, d_lo, r_hi, r_lo)
+    mx = tl.max(tl.where(valid, s_hi, -float("inf")), axis=0)
+    z_hi, z_lo = _two_sum_combine(tl.where(valid, s_hi, mx), tl.where(valid, s_lo, 0.0), -mx, 0.0)
+    e_hi, e_lo = _df_exp(z_hi, z_lo)
+    e_hi = tl.where(valid, e_hi, 0.0)
+    e_lo = tl.where(valid, e_lo, 0.0)
+    # p = e / sum(e): double-float sum, then the quotient with its exact remainder, rounded to FP32.
+    es_hi, es_lo = tl.reduce((e_hi, e_lo), 0, _two_sum_combine)
+    q = e_hi / es_hi
+    qp, qe = _two_prod(q, es_hi)
+    p = q + (((e_hi - qp) - qe) + e_lo - q * es_lo) / es_hi
+    zero = tl.zeros_like(p)
+    # g_i - sum_j p_j g_j: the cancellation happens in double-float, so its FP32 result is correctly rounded.
+    pg_hi, pg_lo = _df_mul(p, zero, g_hi, g_lo)
+    gbar_hi, gbar_lo = tl.reduce((pg_hi, pg_lo), 0, _two_sum_combine)
+    dg_hi, dg_lo = _two_sum_combine(g_hi, g_lo, -gbar_hi, -gbar_lo)
+    gs_hi, gs_lo = _df_mul(p, zero, dg_hi, dg_lo)
+    a_hi, a_lo = _df_mul(gs_hi, gs_lo, r_hi, r_lo)
+    r2_hi, r2_lo = _df_mul(r_hi, r_lo, r_hi, r_lo)
+    r3_hi, r3_lo = _df_mul(r2_hi, r2_lo, r_hi, r_lo)
+    c_hi, c_lo = _df_mul(d_hi, d_lo, r3_hi, r3_lo)
+    c_hi, c_lo = _df_div_int(c_hi, c_lo, H)
+    return (p, tl.where(valid, gs_hi + gs_lo, 0.0), tl.where(valid, r_hi + r_lo, 0.0),
+            tl.where(valid, c_hi + c_lo, 0.0), tl.where(valid, a_hi + a_lo, 0.0))
 
 
 @triton.jit(do_not_specialize=_BWD_RUNTIME_INTS)
@@ -44,7 +179,7 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
                         stride_gpt, stride_gbt, stride_gbc,
                         BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
                         WRITE_PREFIX: tl.constexpr, WRITE_BLOCKS: tl.constexpr, COMPUTE_DW: tl.constexpr,
-                        ACC64: tl.constexpr):
+                        ACC64: tl.constexpr, DF: tl.constexpr):
     # Requires K >= 1 (K = 0 is an exact copy handled by the launch policy without a launch).
     # Outputs are contiguous: grad_prefix [T, H] (stride_gpt), grad_blocks [T, C, H] (stride_gbt, stride_gbc),
     # workspace [num_programs, H] (fp64 if ACC64 else fp32; row pid belongs to this program alone).
@@ -54,8 +189,10 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
     # element-wise math (dv, the dw products) stays FP32. Every output element then carries only its own FP32
     # rounding, while the FP32 eager formula also carries the rounding of every scalar it was built from; with
     # FP32 scalars the two errors are the same size and the 1.25x contract would hold only by luck. Costs one
-    # FP32 -> FP64 conversion and three FP64 FMAs per candidate element, in pass 1 only. ACC64 = False is
-    # plain FP32 (devices without FP64, e.g. Ascend vector cores).
+    # FP32 -> FP64 conversion and three FP64 FMAs per candidate element, in pass 1 only.
+    # DF (devices without FP64, e.g. Ascend vector cores): the same in double-float FP32 arithmetic: statistics
+    # accumulated per tile element with TwoSum across chunks, one TwoSum tree per token, then
+    # _df_softmax_backward. Neither flag: plain FP32 (the eager formula's error size).
     # Addressing is written out inline (no nested @triton.jit helpers in the token loop): the Triton
     # interpreter pays milliseconds per nested call, which would dominate the CI run time.
     pid = tl.program_id(0)
@@ -82,6 +219,13 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
             ss = tl.zeros([K_PAD], dtype=tl.float64)
             d = tl.zeros([K_PAD], dtype=tl.float64)
             g = tl.zeros([K_PAD], dtype=tl.float64)
+        elif DF:
+            ss_hi = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+            ss_lo = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+            d_hi = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+            d_lo = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+            g_hi = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+            g_lo = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
         else:
             ss = tl.zeros([K_PAD], dtype=tl.float32)
             d = tl.zeros([K_PAD], dtype=tl.float32)
@@ -108,26 +252,47 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
                 ss += tl.sum(xd * xd, axis=1)
                 d += tl.sum(xd * w.to(tl.float64)[None, :], axis=1)
                 g += tl.sum(xd * gy.to(tl.float64)[None, :], axis=1)
+            elif DF:
+                # Element-wise TwoSum into (hi, lo) accumulators, written out (no helper call per chunk).
+                v = x * x
+                t_ = ss_hi + v
+                b_ = t_ - ss_hi
+                ss_lo += (ss_hi - (t_ - b_)) + (v - b_)
+                ss_hi = t_
+                v = x * w[None, :]
+                t_ = d_hi + v
+                b_ = t_ - d_hi
+                d_lo += (d_hi - (t_ - b_)) + (v - b_)
+                d_hi = t_
+                v = x * gy[None, :]
+                t_ = g_hi + v
+                b_ = t_ - g_hi
+                g_lo += (g_hi - (t_ - b_)) + (v - b_)
+                g_hi = t_
             else:
                 ss += tl.sum(x * x, axis=1)
                 d += tl.sum(x * w[None, :], axis=1)
                 g += tl.sum(x * gy[None, :], axis=1)
         # Softmax and its backward on K_PAD scalars (FP64 under ACC64: IEEE sqrt and division; FP32: correctly
         # rounded sqrt / division, as in the forward's score).
-        if ACC64:
-            r = 1.0 / tl.sqrt(ss / H + eps)
+        if DF:
+            ss_hi, ss_lo, d_hi, d_lo, g_hi, g_lo = _df_row_sums3(ss_hi, ss_lo, d_hi, d_lo, g_hi, g_lo, K_PAD, BLOCK_H)
+            p, gs, r, c, a = _df_softmax_backward(ss_hi, ss_lo, d_hi, d_lo, g_hi, g_lo, valid, H, eps)
         else:
-            r = tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps))
-        s = tl.where(valid, r * d, -float("inf"))
-        p = tl.exp(s - tl.max(s, axis=0))
-        p = p / tl.sum(p, axis=0)
-        gs = tl.where(valid, p * (g - tl.sum(p * g, axis=0)), 0.0)
+            if ACC64:
+                r = 1.0 / tl.sqrt(ss / H + eps)
+            else:
+                r = tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps))
+            s = tl.where(valid, r * d, -float("inf"))
+            p = tl.exp(s - tl.max(s, axis=0))
+            p = p / tl.sum(p, axis=0)
+            gs = tl.where(valid, p * (g - tl.sum(p * g, axis=0)), 0.0)
+            c = tl.where(valid, d * (r * r * r) / H, 0.0).to(tl.float32)  # coefficient of v_i in d s_i / d v_i
+            a = (gs * r).to(tl.float32)  # coefficient of v_i in dw
+            p = p.to(tl.float32)
+            gs = gs.to(tl.float32)
+            r = r.to(tl.float32)
         # The element-wise math below is FP32 in the eager formula's order: dv_i = p_i gy + gs_i (r_i w - c_i v_i).
-        c = (d * (r * r * r) / H).to(tl.float32)  # coefficient of v_i in d s_i / d v_i
-        a = (gs * r).to(tl.float32)  # coefficient of v_i in dw
-        p = p.to(tl.float32)
-        gs = gs.to(tl.float32)
-        r = r.to(tl.float32)
         gb_tile = gb_ptr + t64 * stride_gbt * VEC + gb_rows
         # Every row of this [K_PAD, 1] pointer tile is grad_prefix's row t; only row K's lanes are unmasked.
         gp_tile = gp_ptr + t64 * stride_gpt * VEC + r2 * 0
