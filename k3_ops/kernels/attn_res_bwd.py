@@ -193,8 +193,8 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
     # DF (devices without FP64, e.g. Ascend vector cores): the same in double-float FP32 arithmetic: statistics
     # accumulated per tile element with TwoSum across chunks, one TwoSum tree per token, then
     # _df_softmax_backward. Neither flag: plain FP32 (the eager formula's error size).
-    # Addressing is written out inline (no nested @triton.jit helpers in the token loop): the Triton
-    # interpreter pays milliseconds per nested call, which would dominate the CI run time.
+    # Addressing and the chunk loops' arithmetic are written out inline (nested @triton.jit helpers run at most
+    # once per token): the Triton interpreter pays milliseconds per nested call, which would dominate CI time.
     pid = tl.program_id(0)
     t_begin = pid * tokens_per_prog
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
