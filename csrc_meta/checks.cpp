@@ -14,9 +14,27 @@ namespace {
 // Python API, so the symbolic variant of TORCH_CHECK_VALUE is spelled out here.
 #define K3_SYM_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE((cond).expect_true(__FILE__, __LINE__), __VA_ARGS__)
 
-// Python spelling ("torch.int64"), since that is what the caller wrote.
+// Python spelling ("torch.int64"), since that is what the caller wrote. Spelled out here rather than taken
+// from c10::getDtypeNames, whose result crashed torch 2.11 for complex dtypes in our tests.
 std::string dtype_name(at::ScalarType t) {
-  return "torch." + std::string(c10::getDtypeNames(t).first);
+  switch (t) {
+    case at::kBool: return "torch.bool";
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2: return "torch.float8_e5m2";
+    default: return std::string("torch.") + c10::toString(t);
+  }
 }
 
 bool is_io_dtype(at::ScalarType t) {

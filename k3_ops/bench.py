@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.configs:
         from .backends.cuda import LaunchConfig
 
-        configs = {name: LaunchConfig(**kw) for name, kw in json.loads(args.configs).items()}
+        text = Path(args.configs[1:]).read_text() if args.configs.startswith("@") else args.configs
+        configs = {name: LaunchConfig(**kw) for name, kw in json.loads(text).items()}
     impls = implementations(device, args.impls.split(","), configs)
     env = environment(device)
     result: dict = {"environment": env, "dtype": args.dtype, "hidden": args.hidden, "capacity": args.capacity,
@@ -301,7 +302,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", default=None, help="comma list of K")
     p.add_argument("--impls", default="k3_ops,eager,compile")
     p.add_argument("--configs", default=None,
-                   help='extra k3_ops columns with explicit launch configs, JSON: {"name": {"kernel": "rows", ...}}')
+                   help='extra k3_ops columns with explicit launch configs, JSON {"name": {"kernel": "rows", ...}} '
+                        'or @file.json')
     p.add_argument("--max-eager-tokens", type=int, default=1 << 62, help="skip the eager column above this T")
     p.add_argument("--rep", type=int, default=25, help="milliseconds of timed repetitions per measurement")
     p.add_argument("--graph-only", action="store_true", help="skip the plain-launch columns")

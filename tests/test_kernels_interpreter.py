@@ -133,14 +133,17 @@ def test_cuda_paths_forced(path, sample):
 
 @pytest.mark.parametrize("policy", ["cuda", "npu"])
 def test_rows_path_several_tokens_per_program(policy):
-    # The rows kernel's TOKENS_PER_PROG knob (benchmark tuning) with a ragged last program.
+    # CUDA: the persistent rows grid is capped at SMs x ctas_per_sm; with ctas_per_sm=... small enough that
+    # programs take several tokens (a ragged last stride included), the stream crosses token boundaries.
     sample = Sample(T=11, K=3, cap=4, H=80, dtype=torch.bfloat16)
     args = sample.make(seed=2)
     kw = {}
     if policy == "cuda":
         from k3_ops.backends.cuda import LaunchConfig
 
-        kw = {"config": LaunchConfig(kernel="rows", tokens_per_prog=4)}
+        kw = {"config": LaunchConfig(kernel="rows", ctas_per_sm=1)}  # 132 programs under the interpreter
+        sample = Sample(T=300, K=3, cap=4, H=48, dtype=torch.bfloat16)  # 300 = 2 x 132 + 36: ragged
+        args = sample.make(seed=2)
     check_contract(run_policy(policy, args, **kw), args, f"{policy}:tokens_per_prog")
 
 

@@ -27,7 +27,7 @@ for stage in "${stages[@]}"; do
         || { tail -30 "$OUT/build.log"; exit 1; }
       $PY -c "import k3_ops; print('k3_ops', k3_ops.__version__, 'ok')" || exit 1 ;;
     tests)
-      $PY -m pytest -q -ra ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -Ev "^(tests/|\.|s)+[ .sxEF]*\[ *[0-9]+%\]$" | tail -60
+      timeout ${TEST_TIMEOUT:-1200} $PY -m pytest -q -ra ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -Ev "^(tests/|\.|s)+[ .sxEF]*\[ *[0-9]+%\]$" | tail -60
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench)
       $PY -m k3_ops.bench --out "$OUT" ${BENCH_ARGS:-} 2>/dev/null | tee "$OUT/bench.txt" || status=1 ;;

@@ -3,9 +3,10 @@
 
 Forward (``attn_res_forward``), two kernel paths from ``k3_ops.kernels.attn_res_fwd``:
 
-- **rows** (large T): one program per token (``tokens_per_prog`` tokens per program), a [next_pow2(H)] hidden
-  tile with ``cols < H`` masks, a run-time loop over the K + 1 candidates with an online softmax. Each candidate
-  row is read once in its native dtype; the output row is written once. Any K.
+- **rows** (large T): a persistent grid (``ctas_per_sm`` programs per SM); each program streams the candidate rows
+  of its tokens (tokens pid, pid + grid, ...) as one continuous, prefetched sequence through a [next_pow2(H)]
+  hidden tile with ``cols < H`` masks and an online softmax. Each candidate row is read once in its native dtype;
+  each output row is written once; the folded weight is read once per program. Any K.
 - **split** (small T, K + 1 <= 16): H split into P = cdiv(H, chunk) programs per token, each holding a
   [K_PAD, chunk] tile of all candidates in registers; partial (sum v^2, <v, w>) per chunk meet in a tiny fp32
   workspace. Default: one launch with a per-token spin barrier that resets itself (CUDA-graph safe). The grid
@@ -16,7 +17,7 @@ Forward (``attn_res_forward``), two kernel paths from ``k3_ops.kernels.attn_res_
 Launch table: ``LAUNCH_TABLE`` maps (T bucket, K bucket) -> ``LaunchConfig``; buckets are the powers of two in
 ``T_BUCKETS`` / ``K_BUCKETS`` (a value goes to the first bucket >= it). Benchmarks override an entry with
 ``set_launch_config`` or bypass the table with ``attn_res_forward(..., config=LaunchConfig(...))``.
-Compile keys are (dtype, kernel, BLOCK_H or chunk, K_PAD, VEC, num_warps, tokens_per_prog, PHASE, H_STRIDED):
+Compile keys are (dtype, kernel, BLOCK_H or chunk, K_PAD, VEC, num_warps, prefetch, PHASE, H_STRIDED):
 small and enumerable, and ``warmup`` compiles every one the table can pick for a model, before graph capture.
 
 Layouts: ``prefix_sum`` and ``block_residual`` are read in place at any token / block strides (token-major
@@ -122,26 +123,41 @@ class LaunchConfig:
 
     kernel: "rows" or "split".
     num_warps: warps per program; None derives it from the tile size (see ``_rows_warps`` / ``_split_warps``).
-    tokens_per_prog: rows path only, tokens handled by one program (weights loaded once for all of them).
+    ctas_per_sm: rows path only, persistent programs per SM (the grid is min(T, SMs x ctas_per_sm)).
+    tokens_per_prog: tiles path only, tokens handled by one program.
     chunk: split path only, hidden elements per program (power of two); the policy may double it (up to
         ``max_chunk``) to keep T * cdiv(H, chunk) co-resident, and falls back to rows if that is impossible.
     split_ctas_per_sm: split path only, programs per SM assumed co-resident (1 is always safe).
+    prefetch: rows path only, candidate rows held in registers ahead of the one being reduced (1 or 2), or 0 to
+        let Triton's pipeliner stage them in shared memory ``num_stages`` deep.
+    num_stages: rows path with prefetch 0 only.
+    maxnreg: register cap per thread (None: the compiler's choice); caps buy occupancy at the risk of spills.
+    tile_h: tiles path only (the two-pass [K_PAD, tile_h] kernel also used on Ascend), hidden tile width.
     """
 
     kernel: str = "rows"
     num_warps: int | None = None
+    ctas_per_sm: int = 2
     tokens_per_prog: int = 1
     chunk: int = 512
     max_chunk: int = 2048
     split_ctas_per_sm: int = 1
+    prefetch: int = 1
+    num_stages: int = 3
+    maxnreg: int | None = None
+    tile_h: int = 1024
 
     def __post_init__(self):
-        if self.kernel not in ("rows", "split"):
-            raise ValueError(f"LaunchConfig.kernel must be 'rows' or 'split', got {self.kernel!r}")
-        for name in ("chunk", "max_chunk"):
+        if self.kernel not in ("rows", "split", "tiles"):
+            raise ValueError(f"LaunchConfig.kernel must be 'rows', 'split' or 'tiles', got {self.kernel!r}")
+        if self.prefetch not in (0, 1, 2):
+            raise ValueError(f"LaunchConfig.prefetch must be 0, 1 or 2, got {self.prefetch}")
+        for name in ("chunk", "max_chunk", "tile_h"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"LaunchConfig.{name} must be a power of two >= 16, got {v}")
+        if self.ctas_per_sm < 1:
+            raise ValueError(f"LaunchConfig.ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
         if self.tokens_per_prog < 1:
             raise ValueError(f"LaunchConfig.tokens_per_prog must be >= 1, got {self.tokens_per_prog}")
         if self.split_ctas_per_sm < 1:
@@ -163,12 +179,15 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
 
 
 def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
-    # Tunable defaults (the lead tunes them on the H200 with k3_ops.bench). Small T: split H across programs so
-    # that more SMs pull memory for one token; large T: one token per program already fills the GPU.
-    # The K bucket 16 holds K = 9..16; choose_config still checks the actual K + 1 <= SPLIT_MAX_CANDIDATES.
+    # Chosen from H200 sweeps (docs/benchmarks.md, "Tuning"). Small T: split H across programs so that more
+    # SMs pull memory for one token (the barrier costs ~2 us, still far less than a row-by-row walk of 9 rows
+    # on one SM). Large T: the persistent rows kernel with 4 warps: its [8192]-wide FP32 accumulator, weight
+    # and current row need ~255 registers per thread, so exactly two 4-warp programs fit an SM; more warps per
+    # program only spread the same registers thinner. The K bucket 16 holds K = 9..16; choose_config still
+    # checks the actual K + 1 <= SPLIT_MAX_CANDIDATES.
     if t_bucket <= 64 and k_bucket <= SPLIT_MAX_CANDIDATES:
         return LaunchConfig(kernel="split", chunk=512)
-    return LaunchConfig(kernel="rows", tokens_per_prog=1)
+    return LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2)
 
 
 LAUNCH_TABLE: dict[tuple[int, int], LaunchConfig] = {
@@ -204,11 +223,16 @@ class _Plan:
     kernel: str
     num_warps: int
     block_h: int = 0  # rows
-    tokens_per_prog: int = 1  # rows
+    tokens_per_prog: int = 1  # tiles
+    ctas_per_sm: int = 0  # rows
     chunk: int = 0  # split
     k_pad: int = 0  # split
     p: int = 0  # split: programs per token
     p_pad: int = 0  # split
+    prefetch: int = 1  # rows
+    num_stages: int = 1  # rows with prefetch 0
+    maxnreg: int | None = None
+    tile_h: int = 0  # tiles
 
 
 def choose_config(T: int, K: int, H: int, device: torch.device, config: LaunchConfig | None = None) -> _Plan:
@@ -225,10 +249,16 @@ def choose_config(T: int, K: int, H: int, device: torch.device, config: LaunchCo
         p = triton.cdiv(H, chunk)
         if T * p <= budget:
             return _Plan("split", config.num_warps or _split_warps(k_pad, chunk), chunk=chunk, k_pad=k_pad, p=p,
-                         p_pad=next_power_of_2(p))
+                         p_pad=next_power_of_2(p), maxnreg=config.maxnreg)
+    if config.kernel == "tiles":
+        k_pad = next_power_of_2(K + 1)
+        tile_h = min(config.tile_h, next_power_of_2(H))
+        return _Plan("tiles", config.num_warps or _split_warps(k_pad, tile_h), k_pad=k_pad, tile_h=tile_h,
+                     tokens_per_prog=config.tokens_per_prog, maxnreg=config.maxnreg)
     block_h = next_power_of_2(H)
     return _Plan("rows", config.num_warps or _rows_warps(block_h), block_h=block_h,
-                 tokens_per_prog=config.tokens_per_prog)
+                 ctas_per_sm=config.ctas_per_sm, prefetch=config.prefetch,
+                 num_stages=config.num_stages if config.prefetch == 0 else 1, maxnreg=config.maxnreg)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -303,18 +333,29 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
     acc64 = prefix_sum.dtype == torch.float32
     strides = (prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
                block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec)
+    # A register cap is a compile option of the GPU backend only (the interpreter takes no such option).
+    regs = {"maxnreg": plan.maxnreg} if plan.maxnreg and not use_interpreter(prefix_sum) else {}
     with _device_guard(prefix_sum):
         if plan.kernel == "rows":
-            grid = (triton.cdiv(T, plan.tokens_per_prog),)
+            grid = (min(T, num_sms(prefix_sum.device) * plan.ctas_per_sm),)
             _fwd.attn_res_rows_kernel[grid](
                 prefix_sum, block_residual, nw, pw, out, T, K, H, eps, *strides,
-                BLOCK_H=plan.block_h, TOKENS_PER_PROG=plan.tokens_per_prog, VEC=vec, H_STRIDED=h_strided,
-                ACC64=acc64, num_warps=plan.num_warps)
+                BLOCK_H=plan.block_h, VEC=vec, H_STRIDED=h_strided,
+                ACC64=acc64, PREFETCH=plan.prefetch, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps, **regs)
+            return
+        if plan.kernel == "tiles":
+            # The Ascend kernel's algorithm on CUDA: per token, pass 1 reads [K_PAD, tile_h] tiles of all
+            # candidates at once (statistics), pass 2 re-reads them (L1/L2 hits) for the output.
+            grid = (triton.cdiv(T, plan.tokens_per_prog),)
+            _fwd.attn_res_npu_kernel[grid](
+                prefix_sum, block_residual, nw, pw, out, T, K, H, eps, plan.tokens_per_prog, *strides,
+                BLOCK_H=plan.tile_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, COMPENSATED=acc64,
+                num_warps=plan.num_warps, **regs)
             return
         ws = _workspace(prefix_sum.device, T, plan.p_pad * 2 * plan.k_pad)
         grid = (plan.p, T)
         common = dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, VEC=vec, H_STRIDED=h_strided,
-                      ACC64=acc64, num_warps=plan.num_warps)
+                      ACC64=acc64, num_warps=plan.num_warps, **regs)
         args = (prefix_sum, block_residual, nw, pw, out, ws.partials, ws.counters, T, K, H, eps, *strides)
         if split_two_launch(prefix_sum):
             _fwd.attn_res_split_kernel[grid](*args, PHASE=1, **common)

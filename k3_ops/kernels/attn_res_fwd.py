@@ -5,9 +5,10 @@ s_i = rsqrt(mean(v_i^2) + eps) * <v_i, w>, p = softmax(s), out[t] = sum_i p_i v_
 
 Three kernels share the helpers below:
 
-- ``attn_res_rows_kernel`` (CUDA, large T): one program per token (``TOKENS_PER_PROG`` tokens per program),
-  a [BLOCK_H] hidden tile, a RUN-time loop over the K + 1 candidates with an online softmax; each candidate
-  row is read exactly once, software-pipelined by hand (row i + 1 is loaded before row i is reduced).
+- ``attn_res_rows_kernel`` (CUDA, large T): a persistent grid; each program streams the (token, candidate)
+  rows of its tokens as one sequence through a [BLOCK_H] hidden tile with an online softmax (a RUN-time loop,
+  any K); each candidate row is read exactly once, software-pipelined by hand (rows i + 1 .. i + PREFETCH are
+  in flight while row i is reduced), across token boundaries.
 - ``attn_res_split_kernel`` (CUDA, small T): H split across P = cdiv(H, CHUNK) programs per token, each
   holding a [K_PAD, CHUNK] tile of all candidates; partial (ss, d) go through a small fp32 workspace and a
   per-token, self-resetting spin barrier (PHASE 0) or through two launches (PHASE 1 then PHASE 2).
@@ -111,47 +112,100 @@ def _store_out(out_ptr, t, cols, mask, value, stride_ot, VEC: tl.constexpr):
 def _load_candidate_row(prefix_ptr, blocks_ptr, t, i, K, cols, hmask, stride_pt, stride_ph, stride_bt, stride_bc,
                         stride_bh, VEC: tl.constexpr, H_STRIDED: tl.constexpr):
     # Candidate i of token t: block i for i < K, the prefix for i == K, nothing (zeros) past K. Slots >= K of
-    # the buffer are never addressed by an unmasked lane. Streaming data: evict first, keep L2 for weights.
-    blk = _block_row_ptrs(blocks_ptr, t, tl.minimum(i, K - 1), cols, stride_bt, stride_bc, stride_bh, VEC,
-                          H_STRIDED)
-    pre = _prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED)
-    ptrs = tl.where(i < K, blk, pre)
-    return tl.load(ptrs, mask=hmask & (i <= K), other=0.0, eviction_policy="evict_first")
+    # the buffer are never addressed by an unmasked lane. The row is chosen by a *scalar* select of its base
+    # pointer (and hidden stride), not an element-wise select of two pointer tensors: 64-bit pointer tensors
+    # cost two registers per element, and register pressure is what limits this kernel's occupancy.
+    # Streaming data: evict first, keep L2 for the weights.
+    t64 = tl.cast(t, tl.int64)
+    blk = blocks_ptr + t64 * (stride_bt * VEC) + tl.cast(tl.minimum(i, K - 1), tl.int64) * (stride_bc * VEC)
+    pre = prefix_ptr + t64 * (stride_pt * VEC)
+    base = tl.where(i < K, blk, pre)
+    if H_STRIDED:
+        offs = tl.cast(cols, tl.int64) * tl.where(i < K, stride_bh, stride_ph)
+    else:
+        offs = cols
+    return tl.load(base + offs, mask=hmask & (i <= K), other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _online_update(x, w, m, l, acc, H, eps, ACC64: tl.constexpr):
+    # One candidate row into the online softmax: rescale the running sum when the running max grows.
+    ss, d = _stats(x, w, 0, ACC64)
+    s = _score(ss, d, H, eps, ACC64)
+    m_new = tl.maximum(m, s)
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new)
+    acc = acc * alpha.to(tl.float32) + p.to(tl.float32) * x
+    l = l * alpha + p
+    return m_new, l, acc
+
+
+@triton.jit
+def _load_step(prefix_ptr, blocks_ptr, pid, nprog, j, steps, K, cols, hmask, stride_pt, stride_ph, stride_bt,
+               stride_bc, stride_bh, VEC: tl.constexpr, H_STRIDED: tl.constexpr):
+    # Step j of this program's stream of (token, candidate) rows: token pid + (j // (K + 1)) * nprog,
+    # candidate j % (K + 1). Steps past the end load nothing.
+    t = pid + (j // (K + 1)) * nprog
+    i = j % (K + 1)
+    row = _load_candidate_row(prefix_ptr, blocks_ptr, t, i, K, cols, hmask & (j < steps), stride_pt, stride_ph,
+                              stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
+    return row
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H, eps,
                          stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
-                         BLOCK_H: tl.constexpr, TOKENS_PER_PROG: tl.constexpr, VEC: tl.constexpr,
-                         H_STRIDED: tl.constexpr, ACC64: tl.constexpr):
+                         BLOCK_H: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr, ACC64: tl.constexpr,
+                         PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # Persistent: program pid handles tokens pid, pid + nprog, ... as ONE continuous stream of candidate rows
+    # (token-major, K + 1 rows per token), so the prefetch runs across token boundaries and the memory system
+    # never waits for a new token to start; the folded weight is loaded once per program, not once per token.
+    # PREFETCH (1 or 2): rows held in registers in flight ahead of the one being reduced (0: Triton's pipeliner
+    # stages them in shared memory instead, NUM_STAGES deep). The kernel is latency-bound per program (load a row,
+    # reduce it, fold it in), so rows in flight per SM set its bandwidth; registers cap programs per SM at two.
     pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     hmask = cols < H
-    w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)  # once per program, reused for every token
-    for j in range(TOKENS_PER_PROG):
-        t = pid * TOKENS_PER_PROG + j
-        if t < T:
+    w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
+    steps = ((T - pid + nprog - 1) // nprog) * (K + 1)
+    m = _acc_full([], -float("inf"), ACC64)
+    l = _acc_full([], 0.0, ACC64)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    v = _load_step(prefix_ptr, blocks_ptr, pid, nprog, 0, steps, K, cols, hmask, stride_pt, stride_ph, stride_bt,
+                   stride_bc, stride_bh, VEC, H_STRIDED)
+    if PREFETCH == 0:
+        # Let Triton's software pipeliner stage the row loads (cp.async into shared memory, NUM_STAGES deep)
+        # instead of holding prefetched rows in registers.
+        for j in tl.range(0, steps, num_stages=NUM_STAGES):
+            x = _load_step(prefix_ptr, blocks_ptr, pid, nprog, j, steps, K, cols, hmask, stride_pt, stride_ph,
+                           stride_bt, stride_bc, stride_bh, VEC, H_STRIDED).to(tl.float32)
+            m, l, acc = _online_update(x, w, m, l, acc, H, eps, ACC64)
+            if j % (K + 1) == K:
+                _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l.to(tl.float32), stride_ot,
+                           VEC)
+                m = _acc_full([], -float("inf"), ACC64)
+                l = _acc_full([], 0.0, ACC64)
+                acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        return
+    if PREFETCH == 2:
+        v1 = _load_step(prefix_ptr, blocks_ptr, pid, nprog, 1, steps, K, cols, hmask, stride_pt, stride_ph,
+                        stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
+    for j in range(0, steps):
+        vn = _load_step(prefix_ptr, blocks_ptr, pid, nprog, j + PREFETCH, steps, K, cols, hmask, stride_pt,
+                        stride_ph, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
+        m, l, acc = _online_update(v.to(tl.float32), w, m, l, acc, H, eps, ACC64)
+        if j % (K + 1) == K:
+            # Last candidate of a token: write its row, start the next token's softmax.
+            _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l.to(tl.float32), stride_ot, VEC)
             m = _acc_full([], -float("inf"), ACC64)
             l = _acc_full([], 0.0, ACC64)
             acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-            v = _load_candidate_row(prefix_ptr, blocks_ptr, t, 0, K, cols, hmask, stride_pt, stride_ph, stride_bt,
-                                    stride_bc, stride_bh, VEC, H_STRIDED)
-            for i in range(0, K + 1):
-                # Issue row i + 1's load before reducing row i (hand-written software pipeline).
-                v_next = _load_candidate_row(prefix_ptr, blocks_ptr, t, i + 1, K, cols, hmask, stride_pt,
-                                             stride_ph, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
-                x = v.to(tl.float32)
-                ss, d = _stats(x, w, 0, ACC64)
-                s = _score(ss, d, H, eps, ACC64)
-                # Online softmax: rescale the running sum when the running max grows.
-                m_new = tl.maximum(m, s)
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(s - m_new)
-                acc = acc * alpha.to(tl.float32) + p.to(tl.float32) * x
-                l = l * alpha + p
-                m = m_new
-                v = v_next
-            _store_out(out_ptr, t, cols, hmask, acc / l.to(tl.float32), stride_ot, VEC)
+        if PREFETCH == 2:
+            v = v1
+            v1 = vn
+        else:
+            v = vn
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -176,7 +230,7 @@ def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, parti
                           H_STRIDED: tl.constexpr, ACC64: tl.constexpr, PHASE: tl.constexpr):
     # Grid (P, T): program (c, t) owns hidden chunk c of token t. Workspace per token t:
     #   partials[t, c, 0, :K_PAD] = partial sum(v^2), partials[t, c, 1, :K_PAD] = partial <v, w>   (FP64)
-    #   counters[2 t] = arrivals, counters[2 t + 1] = exits (PHASE 0 only; both back to 0 when it ends).
+    #   counters[2 t] = arrivals (0 between launches), counters[2 t + 1] = generation (PHASE 0 only).
     c = tl.program_id(0)
     t = tl.program_id(1)
     P = tl.num_programs(0)
@@ -185,6 +239,12 @@ def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, parti
     rows = tl.arange(0, K_PAD)
     kp = tl.arange(0, K_PAD)
     part_base = partials_ptr + tl.cast(t, tl.int64) * (P_PAD * 2 * K_PAD)
+    cnt_ptr = counters_ptr + 2 * t
+    gen_ptr = cnt_ptr + 1
+    if PHASE == 0:
+        # This launch's generation, read before arriving (nobody can bump it before every program arrived);
+        # issued first so its latency hides behind the tile loads.
+        gen0 = tl.load(gen_ptr, volatile=True)
 
     x = _load_candidate_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
                              stride_bc, stride_bh, VEC, H_STRIDED).to(tl.float32)
@@ -195,20 +255,22 @@ def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, parti
         tl.store(part_base + c * (2 * K_PAD) + kp, ss_part.to(tl.float64))
         tl.store(part_base + c * (2 * K_PAD) + K_PAD + kp, d_part.to(tl.float64))
     if PHASE == 0:
-        # Per-token barrier. All threads' partial stores happen before thread 0's release (CTA barrier, then a
-        # gpu-scope release); after the acquire spin, the CTA barrier again publishes the result to all threads.
-        cnt = counters_ptr + 2 * t
+        # Per-token barrier with a generation word (sense reversal): every program adds 1 to the arrival count;
+        # the last to arrive resets the count and bumps the generation; the others spin (acquire) until the
+        # generation moves. The words end each launch ready for the next one, so CUDA-graph replays need no
+        # host-side reset, and no second "exit" round trip is needed. Ordering: all threads' partial stores
+        # precede thread 0's gpu-scope acq_rel arrival (CTA barrier first); the last arriver's acquire sees
+        # every partial and its release of the generation publishes them to the spinners.
         tl.debug_barrier()
-        arrived = tl.atomic_add(cnt, 1, sem="release", scope="gpu") + 1
-        while arrived < P:
-            arrived = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+        old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if old == P - 1:
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(gen_ptr, gen0 + 1, sem="release", scope="gpu")
+        else:
+            cur = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
+            while cur == gen0:
+                cur = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
-        # Self-cleaning: the last program to leave resets both counters, so the next launch (or CUDA-graph
-        # replay) starts from zero without any host-side reset. Every program has left the spin by then.
-        left = tl.atomic_add(cnt + 1, 1, sem="acq_rel", scope="gpu")
-        if left == P - 1:
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(cnt + 1, 0, sem="relaxed", scope="gpu")
     if PHASE != 1:
         # Every program sums the P partials of its token in the same fixed order, so all chunks see identical
         # statistics (deterministic). ".cg" reads bypass L1: the data was written by other SMs just now.
