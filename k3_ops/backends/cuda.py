@@ -42,6 +42,8 @@ from .. import reference
 from ..kernels import attn_res_fwd as _fwd
 from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
 from . import _backward
+from ._fused import FusedArgs as _FusedArgs
+from ._fused import fused_hidden_dims, fused_kernel_args, fused_token_strides, trivial_fused_attn_res
 
 __all__ = [
     "LaunchConfig",
@@ -324,17 +326,20 @@ def attn_res_forward(prefix_sum: torch.Tensor, block_residual: torch.Tensor, nor
     return out
 
 
-def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int, eps: float) -> None:
+def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int, eps: float,
+                    fused: _FusedArgs | None = None) -> None:
     T, H = prefix_sum.shape
-    h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2))
+    h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2), *fused_hidden_dims(fused))
     vec = stride_vec(prefix_sum.dtype, (prefix_sum.stride(0), block_residual.stride(0), block_residual.stride(1),
-                                        out.stride(0)))
+                                        out.stride(0), *fused_token_strides(fused)))
     # fp32 I/O scores in FP64 (see kernels/attn_res_fwd.py, _stats): part of the compile key via the dtype.
     acc64 = prefix_sum.dtype == torch.float32
     strides = (prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
                block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec)
     # A register cap is a compile option of the GPU backend only (the interpreter takes no such option).
     regs = {"maxnreg": plan.maxnreg} if plan.maxnreg and not use_interpreter(prefix_sum) else {}
+    # Fused serving variant: the same kernels with their fused constexpr flags (nothing extra when None).
+    regs.update(fused_kernel_args(fused, vec))
     with _device_guard(prefix_sum):
         if plan.kernel == "rows":
             grid = (min(T, num_sms(prefix_sum.device) * plan.ctas_per_sm),)
@@ -352,7 +357,9 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
                 BLOCK_H=plan.tile_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, COMPENSATED=acc64,
                 num_warps=plan.num_warps, **regs)
             return
-        ws = _workspace(prefix_sum.device, T, plan.p_pad * 2 * plan.k_pad)
+        out_norm = fused is not None and fused.out_norm_weight is not None
+        # OUT_NORM: one more FP64 per chunk per token, the partial sum of squares of the rounded mix.
+        ws = _workspace(prefix_sum.device, T, plan.p_pad * (2 * plan.k_pad + int(out_norm)))
         grid = (plan.p, T)
         common = dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, VEC=vec, H_STRIDED=h_strided,
                       ACC64=acc64, num_warps=plan.num_warps, **regs)
@@ -360,6 +367,8 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
         if split_two_launch(prefix_sum):
             _fwd.attn_res_split_kernel[grid](*args, PHASE=1, **common)
             _fwd.attn_res_split_kernel[grid](*args, PHASE=2, **common)
+            if out_norm:
+                _fwd.attn_res_split_kernel[grid](*args, PHASE=3, **common)
         else:
             _fwd.attn_res_split_kernel[grid](*args, PHASE=0, **common)
 
@@ -425,20 +434,29 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
                    norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
                    block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
                    out_norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """kimi_k3::fused_attn_res on CUDA tensors (arguments already checked by
-    ``k3_ops._C.check_fused_attn_res``). Returns ``(out, new_prefix)``; writes ``block_residual[:, block_write_idx]``.
+    """kimi_k3::fused_attn_res on CUDA tensors (or CPU tensors under the Triton interpreter); arguments already
+    checked by ``k3_ops._C.check_fused_attn_res``. Returns ``(out, new_prefix)``, new contiguous [T, H]; writes
+    ``block_residual[:, block_write_idx]`` when ``block_write_idx >= 0``, nothing else.
 
-    Until the fused Triton kernel lands this is the unfused composition on the device, with this module's
-    ``attn_res_forward`` as the mix: torch's add, the snapshot copy, the mix, torch ops for the output RMSNorm.
-    It gives exactly the contract's results (out == this device's attn_res(new_prefix) bit for bit), in four to six launches.
-
-    TRITON LAUNCH GOES HERE (issue 6, item 2): the forward kernels with the fused flags (load addend and add it
-    rounded to the I/O dtype, store the snapshot row, RMSNorm epilogue on the dtype-rounded mix), same
-    signature and results; tests/test_fused.py checks every property through the registered op.
+    The forward's launch plan for (T, K) with the kernels' fused flags (kernels/attn_res_fwd.py): the add,
+    the new_prefix and snapshot stores and the RMSNorm epilogue happen inside the mix kernel. One launch on
+    the rows path and on the split path without ``out_norm_weight``; with it, the split path's single launch
+    runs a second barrier round (two-launch mode, ``split_two_launch``: three launches). Same plan and
+    arithmetic as ``attn_res_forward`` for the same T and K, so ``out`` equals it bit for bit without the norm.
+    fp64 and T = 0 run the reference composition (no kernel).
     """
-    return reference.fused_attn_res_reference(prefix_sum, addend, block_residual, norm_weight, proj_weight,
-                                              num_valid_blocks, eps, block_write_idx, out_norm_weight,
-                                              out_norm_eps, attn_res_fn=attn_res_forward)
+    trivial = trivial_fused_attn_res(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                     eps, block_write_idx, out_norm_weight, out_norm_eps, attn_res_forward)
+    if trivial is not None:
+        return trivial
+    T, H = prefix_sum.shape
+    K = int(num_valid_blocks)
+    fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                     eps if out_norm_eps is None else out_norm_eps)
+    nw, pw = prepare_weights(norm_weight, proj_weight)
+    plan = choose_config(T, K, H, prefix_sum.device)
+    _launch_forward(plan, prefix_sum, block_residual, nw, pw, out, K, float(eps), fused)
+    return out, fused.new_prefix
 
 
 # --------------------------------------------------------------------------------------------------------------

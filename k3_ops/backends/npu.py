@@ -42,6 +42,8 @@ from .. import reference
 from ..kernels import attn_res_fwd as _fwd
 from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
 from . import _backward
+from ._fused import FusedArgs as _FusedArgs
+from ._fused import fused_hidden_dims, fused_kernel_args, fused_token_strides, trivial_fused_attn_res
 
 __all__ = [
     "FALLBACK_NUM_VECTOR_CORES",
@@ -164,7 +166,7 @@ def num_vector_cores(device: torch.device) -> int:
     return n
 
 
-def npu_block_h(H: int, k_pad: int, itemsize: int, compensated: bool = False) -> int:
+def npu_block_h(H: int, k_pad: int, itemsize: int, compensated: bool = False, fused: bool = False) -> int:
     """Largest power-of-two hidden tile (<= next_pow2(H), >= 16) whose working set fits UB_BUDGET_BYTES.
 
     Bytes per tile column: the [K_PAD] candidate values loaded in the I/O dtype, double-buffered by
@@ -174,8 +176,14 @@ def npu_block_h(H: int, k_pad: int, itemsize: int, compensated: bool = False) ->
     row (2 * itemsize + 4), the two weight rows and the folded w (3 * 4) and the output row (4 + itemsize).
     bf16, K_PAD = 16 (K <= 15): 218 B per column -> BLOCK_H = 512 (109 KB); K_PAD = 8: 122 B -> 1024
     (122 KB); fp32 (compensated), K_PAD = 16: 736 B -> 128 (92 KB).
+    Fused (fused_attn_res): the addend row, double-buffered and in FP32 (2 * itemsize + 4), and the rounded
+    new_prefix row stored to new_prefix / the snapshot (itemsize): 3 * itemsize + 4 more per column (bf16, K_PAD
+    = 16: 228 B -> still 512). The output norm's pass 3 holds only an output row and the norm weight, less
+    than pass 2.
     """
     per_col = k_pad * (2 * itemsize + 8 + (28 if compensated else 0)) + (2 * itemsize + 4) + 12 + (4 + itemsize)
+    if fused:
+        per_col += 3 * itemsize + 4
     limit = next_power_of_2(H)
     block = 16
     while block * 2 <= limit and block * 2 * per_col <= UB_BUDGET_BYTES:
@@ -208,14 +216,16 @@ def attn_res_forward(prefix_sum: torch.Tensor, block_residual: torch.Tensor, nor
     return out
 
 
-def _launch_forward(prefix_sum, block_residual, nw, pw, out, K: int, eps: float, cores: int) -> None:
+def _launch_forward(prefix_sum, block_residual, nw, pw, out, K: int, eps: float, cores: int,
+                    fused: _FusedArgs | None = None) -> None:
+    # fused: the fused_attn_res arguments (raw tensors), which switch the kernel's fused flags on.
     T, H = prefix_sum.shape
     k_pad = next_power_of_2(K + 1)
     compensated = prefix_sum.dtype == torch.float32
-    block_h = npu_block_h(H, k_pad, prefix_sum.element_size(), compensated)
-    h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2))
+    block_h = npu_block_h(H, k_pad, prefix_sum.element_size(), compensated, fused is not None)
+    h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2), *fused_hidden_dims(fused))
     vec = stride_vec(prefix_sum.dtype, (prefix_sum.stride(0), block_residual.stride(0), block_residual.stride(1),
-                                        out.stride(0)))
+                                        out.stride(0), *fused_token_strides(fused)))
     grid_size = max(1, min(cores, T))
     tokens_per_prog = triton.cdiv(T, grid_size)
     _fwd.attn_res_npu_kernel[(grid_size,)](
@@ -223,7 +233,7 @@ def _launch_forward(prefix_sum, block_residual, nw, pw, out, K: int, eps: float,
         prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
         block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec,
         BLOCK_H=block_h, K_PAD=k_pad, VEC=vec, H_STRIDED=h_strided,
-        COMPENSATED=compensated, **launch_options())
+        COMPENSATED=compensated, **fused_kernel_args(fused, vec), **launch_options())
 
 
 def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
@@ -256,19 +266,24 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
                    block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
                    out_norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """kimi_k3::fused_attn_res on Ascend NPU (PrivateUse1) tensors (arguments already checked by
-    ``k3_ops._C.check_fused_attn_res``). Returns ``(out, new_prefix)``; writes ``block_residual[:, block_write_idx]``.
+    ``k3_ops._C.check_fused_attn_res``). Returns ``(out, new_prefix)``, new contiguous [T, H]; writes
+    ``block_residual[:, block_write_idx]`` when ``block_write_idx >= 0``, nothing else.
 
-    Until the fused Triton kernel lands this is the unfused composition on the device, with this module's
-    ``attn_res_forward`` as the mix: torch's add, the snapshot copy, the mix, torch ops for the output RMSNorm.
-    It gives exactly the contract's results (out == this device's attn_res(new_prefix) bit for bit), in several launches.
-
-    TRITON LAUNCH GOES HERE (issue 6, item 2): the forward kernels with the fused flags (load addend and add it
-    rounded to the I/O dtype, store the snapshot row, RMSNorm epilogue on the dtype-rounded mix), same
-    signature and results; tests/test_fused.py checks every property through the registered op.
+    One launch of ``attn_res_npu_kernel`` with its fused flags (same grid, tiles and arithmetic as
+    ``attn_res_forward`` apart from the tile width, which ``npu_block_h`` budgets for the addend row): the add
+    and the new_prefix / snapshot stores in pass 2, the output norm as a pass 3 over the program's own output
+    row. fp64 and T = 0 run the reference composition (no kernel).
     """
-    return reference.fused_attn_res_reference(prefix_sum, addend, block_residual, norm_weight, proj_weight,
-                                              num_valid_blocks, eps, block_write_idx, out_norm_weight,
-                                              out_norm_eps, attn_res_fn=attn_res_forward)
+    trivial = trivial_fused_attn_res(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                     eps, block_write_idx, out_norm_weight, out_norm_eps, attn_res_forward)
+    if trivial is not None:
+        return trivial
+    fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                     eps if out_norm_eps is None else out_norm_eps)
+    nw, pw = prepare_weights(norm_weight, proj_weight)
+    _launch_forward(raw(prefix_sum), raw(block_residual), raw(nw), raw(pw), raw(out), int(num_valid_blocks),
+                    float(eps), num_vector_cores(prefix_sum.device), fused.map(raw))
+    return out, fused.new_prefix
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -24,8 +24,15 @@ formed in int64 (T * token stride exceeds 2^31 at prefill sizes).
 Hidden stride: ``H_STRIDED=False`` (unit stride, the fast path) or ``True`` (strides ``stride_ph`` /
 ``stride_bh`` multiply the column index; correct at any stride, no vector loads).
 
-Extension points (the fused serving op adds constexpr flags here): every kernel reads candidates only
-through its ``_load_*`` helper and writes its output only through ``_store_out``.
+Fused serving variant (kimi_k3::fused_attn_res, docs/fused_attn_res.md): the SAME kernels take four constexpr
+flags, all False by default, so the plain forward compiles exactly as before (the extra pointer arguments
+default to None, which Triton specialises away):
+
+- ``HAS_ADDEND``: the prefix candidate is round_to_dtype(prefix + addend), added in FP32 and rounded once to
+  the I/O dtype (bit-identical to torch's own add), then used as the candidate.
+- ``FUSED``: write that prefix candidate (``new_prefix``, a new contiguous [T, H]) once per token.
+- ``SNAPSHOT``: also write it into ``blocks[t, write_idx]`` (runtime index, a slot >= K: never read here).
+- ``OUT_NORM``: the output is rms_norm(round_to_dtype(mix)) in FP32 with ``onw_ptr`` and ``out_eps``.
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ import triton
 import triton.language as tl
 
 _RUNTIME_INTS = ["T", "K", "stride_pt", "stride_ph", "stride_bt", "stride_bc", "stride_bh", "stride_ot"]
+# The fused variant's runtime ints (token counts and strides again: never specialised).
+_FUSED_INTS = ["stride_at", "stride_ah", "stride_nt", "write_idx"]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -106,6 +115,62 @@ def _store_out(out_ptr, t, cols, mask, value, stride_ot, VEC: tl.constexpr):
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Fused serving variant helpers (only reached with a fused flag set).
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _add_addend(v, addend_ptr, t, cols, mask, stride_at, stride_ah, VEC: tl.constexpr, H_STRIDED: tl.constexpr):
+    # round_to_dtype(prefix + addend): one FP32 add, one rounding to the I/O dtype -- what torch's own add of
+    # two bf16/fp16/fp32 tensors computes, so new_prefix matches the unfused pipeline bit for bit.
+    a = tl.load(_prefix_row_ptrs(addend_ptr, t, cols, stride_at, stride_ah, VEC, H_STRIDED), mask=mask, other=0.0)
+    return (v.to(tl.float32) + a.to(tl.float32)).to(v.dtype)
+
+
+@triton.jit
+def _store_new_prefix(newp_ptr, blocks_ptr, t, cols, mask, value, stride_nt, stride_bt, stride_bc, stride_bh,
+                      write_idx, VEC: tl.constexpr, H_STRIDED: tl.constexpr, SNAPSHOT: tl.constexpr):
+    # new_prefix row (contiguous [T, H]) and, at a block boundary, the snapshot row blocks[t, write_idx]: the
+    # same I/O-dtype values, so the two are equal bit for bit.
+    _store_out(newp_ptr, t, cols, mask, value, stride_nt, VEC)
+    if SNAPSHOT:
+        ptrs = _block_row_ptrs(blocks_ptr, t, write_idx, cols, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
+        tl.store(ptrs, value.to(blocks_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_mix(mix, out_ptr):
+    # The mix as the unfused pipeline's RMSNorm sees it: rounded to the I/O dtype first.
+    return mix.to(out_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _norm_scale(ss, H, out_eps):
+    # rsqrt(mean(x^2) + eps), correctly rounded (as in _score).
+    return tl.div_rn(1.0, tl.sqrt_rn(ss / H + out_eps))
+
+
+@triton.jit
+def _apply_out_norm(x, scale, onw_ptr, cols, mask):
+    # torch's rms_norm order: (x * rsqrt(...)) * weight, in FP32.
+    g = tl.load(onw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return x * scale * g
+
+
+@triton.jit
+def _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, t, cols, hmask, mix, v, K, H, out_eps, stride_ot,
+                    stride_nt, stride_bt, stride_bc, stride_bh, write_idx, VEC: tl.constexpr,
+                    H_STRIDED: tl.constexpr, SNAPSHOT: tl.constexpr, OUT_NORM: tl.constexpr):
+    # A complete token row (rows kernel): v is its prefix candidate (new_prefix), mix its FP32 mix.
+    _store_new_prefix(newp_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_bt, stride_bc, stride_bh,
+                      write_idx, VEC, H_STRIDED, SNAPSHOT)
+    # K = 0: the mix IS new_prefix (attn_res's exact copy); 0 * acc + 1 * v would turn -0.0 into +0.0.
+    mix = tl.where(K == 0, v.to(tl.float32), mix)
+    if OUT_NORM:
+        x = tl.where(hmask, _round_mix(mix, out_ptr), 0.0)
+        mix = _apply_out_norm(x, _norm_scale(tl.sum(x * x, axis=0), H, out_eps), onw_ptr, cols, hmask)
+    _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # CUDA, large T: rows kernel with a run-time candidate loop and an online softmax.
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
@@ -152,17 +217,38 @@ def _load_step(prefix_ptr, blocks_ptr, pid, nprog, j, steps, K, cols, hmask, str
     return row
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
+@triton.jit
+def _load_step_fused(prefix_ptr, blocks_ptr, addend_ptr, pid, nprog, j, steps, K, cols, hmask, stride_pt, stride_ph,
+                     stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC: tl.constexpr,
+                     H_STRIDED: tl.constexpr, HAS_ADDEND: tl.constexpr):
+    # _load_step, and with HAS_ADDEND the prefix candidate replaced by round(prefix + addend); the addend row
+    # is loaded with the step (so it is prefetched with it), by lanes of the prefix step only.
+    row = _load_step(prefix_ptr, blocks_ptr, pid, nprog, j, steps, K, cols, hmask, stride_pt, stride_ph, stride_bt,
+                     stride_bc, stride_bh, VEC, H_STRIDED)
+    if HAS_ADDEND:
+        i = j % (K + 1)
+        t = pid + (j // (K + 1)) * nprog
+        row = tl.where(i == K, _add_addend(row, addend_ptr, t, cols, hmask & (j < steps) & (i == K), stride_at,
+                                           stride_ah, VEC, H_STRIDED), row)
+    return row
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + _FUSED_INTS)
 def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H, eps,
                          stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
                          BLOCK_H: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr, ACC64: tl.constexpr,
-                         PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr):
+                         PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         addend_ptr=None, newp_ptr=None, onw_ptr=None, stride_at=0, stride_ah=0, stride_nt=0,
+                         write_idx=0, out_eps=1.0, HAS_ADDEND: tl.constexpr = False, FUSED: tl.constexpr = False,
+                         SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False):
     # Persistent: program pid handles tokens pid, pid + nprog, ... as ONE continuous stream of candidate rows
     # (token-major, K + 1 rows per token), so the prefetch runs across token boundaries and the memory system
     # never waits for a new token to start; the folded weight is loaded once per program, not once per token.
     # PREFETCH (1 or 2): rows held in registers in flight ahead of the one being reduced (0: Triton's pipeliner
     # stages them in shared memory instead, NUM_STAGES deep). The kernel is latency-bound per program (load a row,
     # reduce it, fold it in), so rows in flight per SM set its bandwidth; registers cap programs per SM at two.
+    # Fused: the mix row is complete in registers at the token's last candidate, which is the prefix candidate
+    # (new_prefix), so new_prefix, the snapshot and the normed output are all written there, in this launch.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
@@ -172,32 +258,47 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
     m = _acc_full([], -float("inf"), ACC64)
     l = _acc_full([], 0.0, ACC64)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    v = _load_step(prefix_ptr, blocks_ptr, pid, nprog, 0, steps, K, cols, hmask, stride_pt, stride_ph, stride_bt,
-                   stride_bc, stride_bh, VEC, H_STRIDED)
+    v = _load_step_fused(prefix_ptr, blocks_ptr, addend_ptr, pid, nprog, 0, steps, K, cols, hmask, stride_pt,
+                         stride_ph, stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC, H_STRIDED, HAS_ADDEND)
     if PREFETCH == 0:
         # Let Triton's software pipeliner stage the row loads (cp.async into shared memory, NUM_STAGES deep)
         # instead of holding prefetched rows in registers.
         for j in tl.range(0, steps, num_stages=NUM_STAGES):
-            x = _load_step(prefix_ptr, blocks_ptr, pid, nprog, j, steps, K, cols, hmask, stride_pt, stride_ph,
-                           stride_bt, stride_bc, stride_bh, VEC, H_STRIDED).to(tl.float32)
+            xr = _load_step_fused(prefix_ptr, blocks_ptr, addend_ptr, pid, nprog, j, steps, K, cols, hmask,
+                                  stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC,
+                                  H_STRIDED, HAS_ADDEND)
+            x = xr.to(tl.float32)
             m, l, acc = _online_update(x, w, m, l, acc, H, eps, ACC64)
             if j % (K + 1) == K:
-                _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l.to(tl.float32), stride_ot,
-                           VEC)
+                if FUSED:
+                    _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, pid + (j // (K + 1)) * nprog, cols, hmask,
+                                    acc / l.to(tl.float32), xr, K, H, out_eps, stride_ot, stride_nt, stride_bt,
+                                    stride_bc, stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT, OUT_NORM)
+                else:
+                    _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l.to(tl.float32),
+                               stride_ot, VEC)
                 m = _acc_full([], -float("inf"), ACC64)
                 l = _acc_full([], 0.0, ACC64)
                 acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         return
     if PREFETCH == 2:
-        v1 = _load_step(prefix_ptr, blocks_ptr, pid, nprog, 1, steps, K, cols, hmask, stride_pt, stride_ph,
-                        stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
+        v1 = _load_step_fused(prefix_ptr, blocks_ptr, addend_ptr, pid, nprog, 1, steps, K, cols, hmask, stride_pt,
+                              stride_ph, stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC, H_STRIDED,
+                              HAS_ADDEND)
     for j in range(0, steps):
-        vn = _load_step(prefix_ptr, blocks_ptr, pid, nprog, j + PREFETCH, steps, K, cols, hmask, stride_pt,
-                        stride_ph, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
+        vn = _load_step_fused(prefix_ptr, blocks_ptr, addend_ptr, pid, nprog, j + PREFETCH, steps, K, cols, hmask,
+                              stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC,
+                              H_STRIDED, HAS_ADDEND)
         m, l, acc = _online_update(v.to(tl.float32), w, m, l, acc, H, eps, ACC64)
         if j % (K + 1) == K:
             # Last candidate of a token: write its row, start the next token's softmax.
-            _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l.to(tl.float32), stride_ot, VEC)
+            if FUSED:
+                _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, pid + (j // (K + 1)) * nprog, cols, hmask,
+                                acc / l.to(tl.float32), v, K, H, out_eps, stride_ot, stride_nt, stride_bt, stride_bc,
+                                stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT, OUT_NORM)
+            else:
+                _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l.to(tl.float32), stride_ot,
+                           VEC)
             m = _acc_full([], -float("inf"), ACC64)
             l = _acc_full([], 0.0, ACC64)
             acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -223,14 +324,45 @@ def _load_candidate_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride
     return tl.load(ptrs, mask=(r <= K) & hmask[None, :], other=0.0, eviction_policy="evict_first")
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
+@triton.jit
+def _token_barrier(cnt_ptr, gen_ptr, gen):
+    # One more round of the per-token generation barrier below (same protocol): generation gen -> gen + 1.
+    tl.debug_barrier()
+    old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if old == tl.num_programs(0) - 1:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(gen_ptr, gen + 1, sem="release", scope="gpu")
+    else:
+        cur = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
+        while cur == gen:
+            cur = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _split_norm_scale(norm_base, P, H, out_eps, P_PAD: tl.constexpr):
+    # Sum of squares of the token's rounded mix from its P chunk partials, in a fixed order (deterministic, and
+    # every chunk applies the same scale).
+    pc = tl.arange(0, P_PAD)
+    ss = tl.sum(tl.load(norm_base + pc, mask=pc < P, other=0.0, cache_modifier=".cg"), axis=0)
+    return _norm_scale(ss.to(tl.float32), H, out_eps)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + _FUSED_INTS)
 def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, partials_ptr, counters_ptr, T, K, H, eps,
                           stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
                           CHUNK: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, VEC: tl.constexpr,
-                          H_STRIDED: tl.constexpr, ACC64: tl.constexpr, PHASE: tl.constexpr):
+                          H_STRIDED: tl.constexpr, ACC64: tl.constexpr, PHASE: tl.constexpr,
+                          addend_ptr=None, newp_ptr=None, onw_ptr=None, stride_at=0, stride_ah=0, stride_nt=0,
+                          write_idx=0, out_eps=1.0, HAS_ADDEND: tl.constexpr = False, FUSED: tl.constexpr = False,
+                          SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False):
     # Grid (P, T): program (c, t) owns hidden chunk c of token t. Workspace per token t:
     #   partials[t, c, 0, :K_PAD] = partial sum(v^2), partials[t, c, 1, :K_PAD] = partial <v, w>   (FP64)
+    #   with OUT_NORM also partials[t, P_PAD * 2 * K_PAD + c] = partial sum(round(mix)^2) of chunk c
     #   counters[2 t] = arrivals (0 between launches), counters[2 t + 1] = generation (PHASE 0 only).
+    # Fused: each program adds/writes only its own chunk of new_prefix (and of the snapshot). OUT_NORM needs the
+    # whole row's sum of squares: PHASE 0 runs a second barrier round; two-launch mode (PHASE 1, 2) writes the
+    # rounded mix and a third launch (PHASE 3) normalises it in place.
     c = tl.program_id(0)
     t = tl.program_id(1)
     P = tl.num_programs(0)
@@ -238,9 +370,18 @@ def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, parti
     hmask = cols < H
     rows = tl.arange(0, K_PAD)
     kp = tl.arange(0, K_PAD)
-    part_base = partials_ptr + tl.cast(t, tl.int64) * (P_PAD * 2 * K_PAD)
+    if OUT_NORM:
+        part_base = partials_ptr + tl.cast(t, tl.int64) * (P_PAD * (2 * K_PAD + 1))
+    else:
+        part_base = partials_ptr + tl.cast(t, tl.int64) * (P_PAD * 2 * K_PAD)
     cnt_ptr = counters_ptr + 2 * t
     gen_ptr = cnt_ptr + 1
+    if PHASE == 3:
+        # Fused OUT_NORM, two-launch mode: out holds the rounded mix; scale it in place.
+        x = tl.load(out_ptr + tl.cast(t, tl.int64) * (stride_ot * VEC) + cols, mask=hmask, other=0.0).to(tl.float32)
+        scale = _split_norm_scale(part_base + P_PAD * 2 * K_PAD, P, H, out_eps, P_PAD)
+        _store_out(out_ptr, t, cols, hmask, _apply_out_norm(x, scale, onw_ptr, cols, hmask), stride_ot, VEC)
+        return
     if PHASE == 0:
         # This launch's generation, read before arriving (nobody can bump it before every program arrived);
         # issued first so its latency hides behind the tile loads.
@@ -248,6 +389,16 @@ def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, parti
 
     x = _load_candidate_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
                              stride_bc, stride_bh, VEC, H_STRIDED).to(tl.float32)
+    if FUSED:
+        # This chunk of the prefix candidate (an L1/L2 hit: the tile just read it), plus the addend, rounded.
+        newp = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask,
+                       other=0.0)
+        if HAS_ADDEND:
+            newp = _add_addend(newp, addend_ptr, t, cols, hmask, stride_at, stride_ah, VEC, H_STRIDED)
+            x = tl.where(rows[:, None] == K, newp[None, :].to(tl.float32), x)
+        if PHASE != 2:
+            _store_new_prefix(newp_ptr, blocks_ptr, t, cols, hmask, newp, stride_nt, stride_bt, stride_bc,
+                              stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT)
     if PHASE != 2:
         w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
         ss_part, d_part = _stats(x, w[None, :], 1, ACC64)
@@ -285,7 +436,22 @@ def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, parti
         s = tl.where(kp <= K, _score(ss, d, H, eps, ACC64), -float("inf"))
         p = tl.exp(s - tl.max(s, axis=0))
         p = (p / tl.sum(p, axis=0)).to(tl.float32)
-        _store_out(out_ptr, t, cols, hmask, tl.sum(p[:, None] * x, axis=0), stride_ot, VEC)
+        if FUSED:
+            # K = 0: the mix IS new_prefix (attn_res's exact copy, -0.0 included).
+            mix = tl.where(K == 0, newp.to(tl.float32), tl.sum(p[:, None] * x, axis=0))
+            if OUT_NORM:
+                xm = tl.where(hmask, _round_mix(mix, out_ptr), 0.0)
+                tl.store(part_base + P_PAD * 2 * K_PAD + c, tl.sum(xm * xm, axis=0).to(tl.float64))
+                if PHASE == 0:
+                    # Second round of the barrier (generation gen0 + 1 -> gen0 + 2): every chunk's partial is in.
+                    _token_barrier(cnt_ptr, gen_ptr, gen0 + 1)
+                    scale = _split_norm_scale(part_base + P_PAD * 2 * K_PAD, P, H, out_eps, P_PAD)
+                    mix = _apply_out_norm(xm, scale, onw_ptr, cols, hmask)
+                else:
+                    mix = xm  # PHASE 3 scales it
+            _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)
+        else:
+            _store_out(out_ptr, t, cols, hmask, tl.sum(p[:, None] * x, axis=0), stride_ot, VEC)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -302,6 +468,22 @@ def _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, s
     pre = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask,
                   other=0.0)
     return tl.where(r == K, pre[None, :].to(tl.float32), blk.to(tl.float32))
+
+
+@triton.jit
+def _load_npu_tile_fused(prefix_ptr, blocks_ptr, addend_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
+                         stride_bc, stride_bh, stride_at, stride_ah, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
+                         HAS_ADDEND: tl.constexpr):
+    # _load_npu_tile with the prefix row replaced by new_prefix = round(prefix + addend) (or the prefix itself);
+    # returns the FP32 tile and the new_prefix row in the I/O dtype.
+    r = rows[:, None]
+    blk = tl.load(_block_row_ptrs(blocks_ptr, t, r, cols[None, :], stride_bt, stride_bc, stride_bh, VEC, H_STRIDED),
+                  mask=(r < K) & hmask[None, :], other=0.0)
+    newp = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask,
+                   other=0.0)
+    if HAS_ADDEND:
+        newp = _add_addend(newp, addend_ptr, t, cols, hmask, stride_at, stride_ah, VEC, H_STRIDED)
+    return tl.where(r == K, newp[None, :].to(tl.float32), blk.to(tl.float32)), newp
 
 
 @triton.jit
@@ -364,15 +546,22 @@ def _df_softmax_weights(ss_hi, ss_lo, d_hi, d_lo, valid, H, eps):
     return w / tl.sum(w, axis=0)
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS + ["tokens_per_prog"])
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["tokens_per_prog"] + _FUSED_INTS)
 def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H, eps, tokens_per_prog,
                         stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
                         BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
-                        COMPENSATED: tl.constexpr):
+                        COMPENSATED: tl.constexpr,
+                        addend_ptr=None, newp_ptr=None, onw_ptr=None, stride_at=0, stride_ah=0, stride_nt=0,
+                        write_idx=0, out_eps=1.0, HAS_ADDEND: tl.constexpr = False, FUSED: tl.constexpr = False,
+                        SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False):
     # COMPENSATED (fp32 I/O): Ascend vector cores have no FP64, so where the CUDA kernels score in FP64 this one
     # keeps "double-float" (hi, lo) sums instead: per tile element across chunks with TwoSum (elementwise, so
     # cheap), then one TwoSum tree reduction per token. Plain FP32 sums would make the score's rounding the
     # dominant output error for fp32 I/O (see _stats). bf16/fp16 I/O: plain FP32 sums of each chunk.
+    # Fused: both passes build the prefix row as new_prefix (the addend row is re-read in pass 2 rather than
+    # kept: H elements do not fit the Unified Buffer next to the tile); pass 2 writes new_prefix / the snapshot
+    # chunk by chunk. OUT_NORM: pass 2 writes the rounded mix and sums its squares, pass 3 re-reads this
+    # program's own output row and scales it in place (extra UB: see backends/npu.py, npu_block_h).
     pid = tl.program_id(0)
     t_begin = pid * tokens_per_prog
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
@@ -390,8 +579,13 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             hmask = cols < H
-            x = _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
-                               stride_bc, stride_bh, VEC, H_STRIDED)
+            if FUSED:
+                x, newp = _load_npu_tile_fused(prefix_ptr, blocks_ptr, addend_ptr, t, K, rows, cols, hmask, stride_pt,
+                                               stride_ph, stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC,
+                                               H_STRIDED, HAS_ADDEND)
+            else:
+                x = _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
+                                   stride_bc, stride_bh, VEC, H_STRIDED)
             w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
             if COMPENSATED:
                 ss_hi, ss_lo = _two_sum_combine(ss_hi, ss_lo, x * x, 0.0)
@@ -411,9 +605,37 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
             p = tl.exp(s - tl.max(s, axis=0))
             p = p / tl.sum(p, axis=0)
         # Pass 2: re-read each chunk and write the mix.
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            hmask = cols < H
-            x = _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
-                               stride_bc, stride_bh, VEC, H_STRIDED)
-            _store_out(out_ptr, t, cols, hmask, tl.sum(p[:, None] * x, axis=0), stride_ot, VEC)
+        if FUSED:
+            ss_mix = 0.0
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                hmask = cols < H
+                x, newp = _load_npu_tile_fused(prefix_ptr, blocks_ptr, addend_ptr, t, K, rows, cols, hmask,
+                                               stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_at,
+                                               stride_ah, VEC, H_STRIDED, HAS_ADDEND)
+                _store_new_prefix(newp_ptr, blocks_ptr, t, cols, hmask, newp, stride_nt, stride_bt, stride_bc,
+                                  stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT)
+                # K = 0: the mix IS new_prefix (attn_res's exact copy, -0.0 included).
+                mix = tl.where(K == 0, newp.to(tl.float32), tl.sum(p[:, None] * x, axis=0))
+                if OUT_NORM:
+                    mix = tl.where(hmask, _round_mix(mix, out_ptr), 0.0)
+                    ss_mix += tl.sum(mix * mix, axis=0)
+                _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)
+            if OUT_NORM:
+                # Pass 3: this program's own output row, written just above, scaled in place.
+                tl.debug_barrier()
+                scale = _norm_scale(ss_mix, H, out_eps)
+                for h0 in range(0, H, BLOCK_H):
+                    cols = h0 + tl.arange(0, BLOCK_H)
+                    hmask = cols < H
+                    y = tl.load(out_ptr + tl.cast(t, tl.int64) * (stride_ot * VEC) + cols, mask=hmask,
+                                other=0.0).to(tl.float32)
+                    _store_out(out_ptr, t, cols, hmask, _apply_out_norm(y, scale, onw_ptr, cols, hmask), stride_ot,
+                               VEC)
+        else:
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                hmask = cols < H
+                x = _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
+                                   stride_bc, stride_bh, VEC, H_STRIDED)
+                _store_out(out_ptr, t, cols, hmask, tl.sum(p[:, None] * x, axis=0), stride_ot, VEC)
