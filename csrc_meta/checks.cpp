@@ -37,6 +37,24 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
+// Sizes are formatted here instead of streaming c10::SymInt / SymIntArrayRef into c10::str: that streaming
+// segfaulted on the H200's torch 2.11 build (a garbage SymInt read inside c10::str). Concrete sizes print as
+// plain integers, symbolic ones as their expression.
+std::string fmt(const c10::SymInt& s) {
+  if (auto v = s.maybe_as_int()) {
+    return std::to_string(*v);
+  }
+  return s.toSymNode()->str();
+}
+
+std::string fmt(c10::SymIntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    out += (i ? ", " : "") + fmt(sizes[i]);
+  }
+  return out + "]";
+}
+
 bool is_io_dtype(at::ScalarType t) {
   return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat || t == at::kDouble;
 }
@@ -58,14 +76,14 @@ void check_eps(double eps, const char* name) {
 // grad_out of the backward and addend of the fused op are "another [T, H] tensor like prefix_sum".
 void check_like_prefix(const at::Tensor& t, const char* name, const at::Tensor& prefix_sum) {
   TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D [T, H] like prefix_sum, got a ", t.dim(),
-                    "-D tensor of shape ", t.sym_sizes());
+                    "-D tensor of shape ", fmt(t.sym_sizes()));
   TORCH_CHECK_TYPE(t.scalar_type() == prefix_sum.scalar_type(), name, ".dtype must equal prefix_sum.dtype=",
                    dtype_name(prefix_sum.scalar_type()), ", got ", dtype_name(t.scalar_type()));
   check_same_device(t, name, prefix_sum);
   K3_SYM_CHECK_VALUE(t.sym_size(0).sym_eq(prefix_sum.sym_size(0)), name, ".size(0) must equal prefix_sum.size(0)=",
-                     prefix_sum.sym_size(0), " (token count), got ", t.sym_size(0));
+                     fmt(prefix_sum.sym_size(0)), " (token count), got ", fmt(t.sym_size(0)));
   K3_SYM_CHECK_VALUE(t.sym_size(1).sym_eq(prefix_sum.sym_size(1)), name, ".size(1) must equal prefix_sum.size(1)=",
-                     prefix_sum.sym_size(1), " (hidden size), got ", t.sym_size(1));
+                     fmt(prefix_sum.sym_size(1)), " (hidden size), got ", fmt(t.sym_size(1)));
 }
 
 }  // namespace
@@ -75,20 +93,20 @@ void check_attn_res_args(const at::Tensor& prefix_sum, const at::Tensor& block_r
                          int64_t num_valid_blocks, double eps) {
   // Ranks first: every later rule indexes sizes.
   TORCH_CHECK_VALUE(prefix_sum.dim() == 2, "prefix_sum must be 2-D [T, H], got a ", prefix_sum.dim(),
-                    "-D tensor of shape ", prefix_sum.sym_sizes());
+                    "-D tensor of shape ", fmt(prefix_sum.sym_sizes()));
   TORCH_CHECK_VALUE(block_residual.dim() == 3,
                     "block_residual must be 3-D [T, C, H] (pass a block-major [C, T, H] buffer as "
                     ".transpose(0, 1)), got a ", block_residual.dim(), "-D tensor of shape ",
-                    block_residual.sym_sizes());
+                    fmt(block_residual.sym_sizes()));
   TORCH_CHECK_VALUE(norm_weight.dim() == 1, "norm_weight must be 1-D [H], got a ", norm_weight.dim(),
-                    "-D tensor of shape ", norm_weight.sym_sizes());
+                    "-D tensor of shape ", fmt(norm_weight.sym_sizes()));
   TORCH_CHECK_VALUE(proj_weight.dim() == 1 || proj_weight.dim() == 2,
                     "proj_weight must be [H] or [1, H] (an nn.Linear(H, 1) weight), got a ", proj_weight.dim(),
-                    "-D tensor of shape ", proj_weight.sym_sizes());
+                    "-D tensor of shape ", fmt(proj_weight.sym_sizes()));
   if (proj_weight.dim() == 2) {
     K3_SYM_CHECK_VALUE(proj_weight.sym_size(0).sym_eq(1),
                        "proj_weight must be [H] or [1, H] (an nn.Linear(H, 1) weight), got shape ",
-                       proj_weight.sym_sizes());
+                       fmt(proj_weight.sym_sizes()));
   }
 
   // Dtypes: the candidates share one I/O dtype; the weights may be any floating dtype.
@@ -106,23 +124,23 @@ void check_attn_res_args(const at::Tensor& prefix_sum, const at::Tensor& block_r
   check_same_device(proj_weight, "proj_weight", prefix_sum);
 
   // Sizes: one hidden size H >= 1 and one token count T across all arguments.
-  const c10::SymInt& H = prefix_sum.sym_size(1);
-  K3_SYM_CHECK_VALUE(H.sym_ge(1), "prefix_sum.size(1) (hidden size H) must be >= 1, got ", H);
+  const c10::SymInt H = prefix_sum.sym_size(1);
+  K3_SYM_CHECK_VALUE(H.sym_ge(1), "prefix_sum.size(1) (hidden size H) must be >= 1, got ", fmt(H));
   K3_SYM_CHECK_VALUE(block_residual.sym_size(2).sym_eq(H), "block_residual.size(2) must equal prefix_sum.size(1)=",
-                     H, " (hidden size), got ", block_residual.sym_size(2));
-  K3_SYM_CHECK_VALUE(norm_weight.sym_size(0).sym_eq(H), "norm_weight.size(0) must equal prefix_sum.size(1)=", H,
-                     " (hidden size), got ", norm_weight.sym_size(0));
-  K3_SYM_CHECK_VALUE(proj_weight.sym_size(-1).sym_eq(H), "proj_weight.size(-1) must equal prefix_sum.size(1)=", H,
-                     " (hidden size), got ", proj_weight.sym_size(-1));
+                     fmt(H), " (hidden size), got ", fmt(block_residual.sym_size(2)));
+  K3_SYM_CHECK_VALUE(norm_weight.sym_size(0).sym_eq(H), "norm_weight.size(0) must equal prefix_sum.size(1)=", fmt(H),
+                     " (hidden size), got ", fmt(norm_weight.sym_size(0)));
+  K3_SYM_CHECK_VALUE(proj_weight.sym_size(-1).sym_eq(H), "proj_weight.size(-1) must equal prefix_sum.size(1)=", fmt(H),
+                     " (hidden size), got ", fmt(proj_weight.sym_size(-1)));
   K3_SYM_CHECK_VALUE(block_residual.sym_size(0).sym_eq(prefix_sum.sym_size(0)),
-                     "block_residual.size(0) must equal prefix_sum.size(0)=", prefix_sum.sym_size(0),
-                     " (token count), got ", block_residual.sym_size(0));
+                     "block_residual.size(0) must equal prefix_sum.size(0)=", fmt(prefix_sum.sym_size(0)),
+                     " (token count), got ", fmt(block_residual.sym_size(0)));
 
   // The valid prefix of the buffer: dim 1 is only capacity.
-  const c10::SymInt& C = block_residual.sym_size(1);
-  TORCH_CHECK_VALUE(num_valid_blocks >= 0, "num_valid_blocks must be in [0, block_residual.size(1)=", C,
+  const c10::SymInt C = block_residual.sym_size(1);
+  TORCH_CHECK_VALUE(num_valid_blocks >= 0, "num_valid_blocks must be in [0, block_residual.size(1)=", fmt(C),
                     "], got ", num_valid_blocks);
-  K3_SYM_CHECK_VALUE(C.sym_ge(num_valid_blocks), "num_valid_blocks must be in [0, block_residual.size(1)=", C,
+  K3_SYM_CHECK_VALUE(C.sym_ge(num_valid_blocks), "num_valid_blocks must be in [0, block_residual.size(1)=", fmt(C),
                      "], got ", num_valid_blocks);
   check_eps(eps, "eps");
 }
@@ -145,19 +163,19 @@ void check_fused_attn_res_args(const at::Tensor& prefix_sum, const c10::optional
   }
   if (block_write_idx != -1) {
     // The snapshot goes into free capacity: never over a valid block, never past the buffer.
-    const c10::SymInt& C = block_residual.sym_size(1);
+    const c10::SymInt C = block_residual.sym_size(1);
     TORCH_CHECK_VALUE(block_write_idx >= num_valid_blocks, "block_write_idx must be -1 (no snapshot) or in "
-                      "[num_valid_blocks=", num_valid_blocks, ", block_residual.size(1)=", C, "), got ", block_write_idx);
+                      "[num_valid_blocks=", num_valid_blocks, ", block_residual.size(1)=", fmt(C), "), got ", block_write_idx);
     K3_SYM_CHECK_VALUE(C.sym_gt(block_write_idx), "block_write_idx must be -1 (no snapshot) or in [num_valid_blocks=",
-                       num_valid_blocks, ", block_residual.size(1)=", C, "), got ", block_write_idx);
+                       num_valid_blocks, ", block_residual.size(1)=", fmt(C), "), got ", block_write_idx);
   }
   if (out_norm_weight.has_value()) {
     const at::Tensor& w = *out_norm_weight;
     TORCH_CHECK_VALUE(w.dim() == 1, "out_norm_weight must be 1-D [H], got a ", w.dim(), "-D tensor of shape ",
-                      w.sym_sizes());
+                      fmt(w.sym_sizes()));
     K3_SYM_CHECK_VALUE(w.sym_size(0).sym_eq(prefix_sum.sym_size(1)),
-                       "out_norm_weight.size(0) must equal prefix_sum.size(1)=", prefix_sum.sym_size(1),
-                       " (hidden size), got ", w.sym_size(0));
+                       "out_norm_weight.size(0) must equal prefix_sum.size(1)=", fmt(prefix_sum.sym_size(1)),
+                       " (hidden size), got ", fmt(w.sym_size(0)));
     check_floating_weight(w, "out_norm_weight");
     check_same_device(w, "out_norm_weight", prefix_sum);
   } else {
