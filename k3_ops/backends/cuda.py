@@ -396,7 +396,7 @@ def _warmup_plans(device: torch.device, H: int, max_num_valid_blocks: int,
 
 
 def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
-           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536) -> int:
+           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536, fused: bool = True) -> int:
     """Compile every launch-table key for one model before CUDA-graph capture; returns the number of plans run.
 
     Each distinct plan (compile key) that the table can pick for T in 1..max_num_tokens and K in
@@ -405,6 +405,10 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
     multiples of 16 bytes (every token-major or block-major buffer when H * itemsize is) share these kernels.
     fp64 runs the reference: nothing to compile. Re-run after changing ``LAUNCH_TABLE`` or
     ``K3_OPS_SPLIT_TWO_LAUNCH``.
+
+    ``fused=True`` also compiles each plan's fused_attn_res variants that a Kimi K3 decoder layer uses (residual
+    addend and output RMSNorm, with and without the block snapshot) and sizes the workspace for the output
+    norm's extra barrier round. Other flag combinations compile on first use, outside capture.
     """
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return 0
@@ -422,6 +426,11 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
             blocks = torch.zeros((T, K, H), dtype=dtype, device=device)
             out = torch.empty((T, H), dtype=dtype, device=device)
             _launch_forward(plan, prefix, blocks, w, w, out, K, 1e-6)
+            if fused:
+                spare = torch.zeros((T, K + 1, H), dtype=dtype, device=device)  # slot K takes the snapshot
+                for write_idx in (-1, K):
+                    args, out = _FusedArgs.allocate(prefix, prefix, write_idx, w, 1e-6)
+                    _launch_forward(plan, prefix, spare, w, w, out, K, 1e-6, args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(plans)
