@@ -232,6 +232,9 @@ def run(args: argparse.Namespace) -> dict:
                             key = name if mode == "graph" else f"{name}/plain"
                             row.us[key] = _time_cuda(lambda: fn(*call_args), mode == "graph", args.rep)
                 result["rows"].append(asdict(row))
+                if args.out:  # keep what is measured so far, should the run be cut short
+                    Path(args.out).mkdir(parents=True, exist_ok=True)
+                    (Path(args.out) / "results.json").write_text(json.dumps(result, indent=1))
             inputs.restore(K)
         del inputs
         if is_cuda:
