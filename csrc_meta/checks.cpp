@@ -37,9 +37,18 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
-// Sizes are formatted here instead of streaming c10::SymInt / SymIntArrayRef into c10::str: that streaming
-// segfaulted on the H200's torch 2.11 build (a garbage SymInt read inside c10::str). Concrete sizes print as
-// plain integers, symbolic ones as their expression.
+// Sizes are read and formatted through these helpers. Tensors with concrete sizes (every eager call) never go
+// through the SymInt API at all: on the H200's torch 2.11 build, formatting a SymInt read from a plain CPU
+// tensor's sym_size() into an error message segfaulted (a garbage SymInt inside c10::str, seen with cuda-gdb).
+// Only tensors with symbolic sizes (FakeTensor / Meta under tracing) use sym_size, where it is required.
+bool symbolic(const at::Tensor& t) {
+  return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+}
+
+c10::SymInt size_of(const at::Tensor& t, int64_t d) {
+  return symbolic(t) ? t.sym_size(d) : c10::SymInt(t.size(d));
+}
+
 std::string fmt(const c10::SymInt& s) {
   if (auto v = s.maybe_as_int()) {
     return std::to_string(*v);
@@ -47,10 +56,10 @@ std::string fmt(const c10::SymInt& s) {
   return s.toSymNode()->str();
 }
 
-std::string fmt(c10::SymIntArrayRef sizes) {
+std::string shape_of(const at::Tensor& t) {
   std::string out = "[";
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    out += (i ? ", " : "") + fmt(sizes[i]);
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    out += (i ? ", " : "") + (symbolic(t) ? fmt(t.sym_size(i)) : std::to_string(t.size(i)));
   }
   return out + "]";
 }
@@ -76,14 +85,14 @@ void check_eps(double eps, const char* name) {
 // grad_out of the backward and addend of the fused op are "another [T, H] tensor like prefix_sum".
 void check_like_prefix(const at::Tensor& t, const char* name, const at::Tensor& prefix_sum) {
   TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D [T, H] like prefix_sum, got a ", t.dim(),
-                    "-D tensor of shape ", fmt(t.sym_sizes()));
+                    "-D tensor of shape ", shape_of(t));
   TORCH_CHECK_TYPE(t.scalar_type() == prefix_sum.scalar_type(), name, ".dtype must equal prefix_sum.dtype=",
                    dtype_name(prefix_sum.scalar_type()), ", got ", dtype_name(t.scalar_type()));
   check_same_device(t, name, prefix_sum);
-  K3_SYM_CHECK_VALUE(t.sym_size(0).sym_eq(prefix_sum.sym_size(0)), name, ".size(0) must equal prefix_sum.size(0)=",
-                     fmt(prefix_sum.sym_size(0)), " (token count), got ", fmt(t.sym_size(0)));
-  K3_SYM_CHECK_VALUE(t.sym_size(1).sym_eq(prefix_sum.sym_size(1)), name, ".size(1) must equal prefix_sum.size(1)=",
-                     fmt(prefix_sum.sym_size(1)), " (hidden size), got ", fmt(t.sym_size(1)));
+  K3_SYM_CHECK_VALUE(size_of(t, 0).sym_eq(size_of(prefix_sum, 0)), name, ".size(0) must equal prefix_sum.size(0)=",
+                     fmt(size_of(prefix_sum, 0)), " (token count), got ", fmt(size_of(t, 0)));
+  K3_SYM_CHECK_VALUE(size_of(t, 1).sym_eq(size_of(prefix_sum, 1)), name, ".size(1) must equal prefix_sum.size(1)=",
+                     fmt(size_of(prefix_sum, 1)), " (hidden size), got ", fmt(size_of(t, 1)));
 }
 
 }  // namespace
@@ -93,20 +102,20 @@ void check_attn_res_args(const at::Tensor& prefix_sum, const at::Tensor& block_r
                          int64_t num_valid_blocks, double eps) {
   // Ranks first: every later rule indexes sizes.
   TORCH_CHECK_VALUE(prefix_sum.dim() == 2, "prefix_sum must be 2-D [T, H], got a ", prefix_sum.dim(),
-                    "-D tensor of shape ", fmt(prefix_sum.sym_sizes()));
+                    "-D tensor of shape ", shape_of(prefix_sum));
   TORCH_CHECK_VALUE(block_residual.dim() == 3,
                     "block_residual must be 3-D [T, C, H] (pass a block-major [C, T, H] buffer as "
                     ".transpose(0, 1)), got a ", block_residual.dim(), "-D tensor of shape ",
-                    fmt(block_residual.sym_sizes()));
+                    shape_of(block_residual));
   TORCH_CHECK_VALUE(norm_weight.dim() == 1, "norm_weight must be 1-D [H], got a ", norm_weight.dim(),
-                    "-D tensor of shape ", fmt(norm_weight.sym_sizes()));
+                    "-D tensor of shape ", shape_of(norm_weight));
   TORCH_CHECK_VALUE(proj_weight.dim() == 1 || proj_weight.dim() == 2,
                     "proj_weight must be [H] or [1, H] (an nn.Linear(H, 1) weight), got a ", proj_weight.dim(),
-                    "-D tensor of shape ", fmt(proj_weight.sym_sizes()));
+                    "-D tensor of shape ", shape_of(proj_weight));
   if (proj_weight.dim() == 2) {
-    K3_SYM_CHECK_VALUE(proj_weight.sym_size(0).sym_eq(1),
+    K3_SYM_CHECK_VALUE(size_of(proj_weight, 0).sym_eq(1),
                        "proj_weight must be [H] or [1, H] (an nn.Linear(H, 1) weight), got shape ",
-                       fmt(proj_weight.sym_sizes()));
+                       shape_of(proj_weight));
   }
 
   // Dtypes: the candidates share one I/O dtype; the weights may be any floating dtype.
@@ -124,20 +133,20 @@ void check_attn_res_args(const at::Tensor& prefix_sum, const at::Tensor& block_r
   check_same_device(proj_weight, "proj_weight", prefix_sum);
 
   // Sizes: one hidden size H >= 1 and one token count T across all arguments.
-  const c10::SymInt H = prefix_sum.sym_size(1);
+  const c10::SymInt H = size_of(prefix_sum, 1);
   K3_SYM_CHECK_VALUE(H.sym_ge(1), "prefix_sum.size(1) (hidden size H) must be >= 1, got ", fmt(H));
-  K3_SYM_CHECK_VALUE(block_residual.sym_size(2).sym_eq(H), "block_residual.size(2) must equal prefix_sum.size(1)=",
-                     fmt(H), " (hidden size), got ", fmt(block_residual.sym_size(2)));
-  K3_SYM_CHECK_VALUE(norm_weight.sym_size(0).sym_eq(H), "norm_weight.size(0) must equal prefix_sum.size(1)=", fmt(H),
-                     " (hidden size), got ", fmt(norm_weight.sym_size(0)));
-  K3_SYM_CHECK_VALUE(proj_weight.sym_size(-1).sym_eq(H), "proj_weight.size(-1) must equal prefix_sum.size(1)=", fmt(H),
-                     " (hidden size), got ", fmt(proj_weight.sym_size(-1)));
-  K3_SYM_CHECK_VALUE(block_residual.sym_size(0).sym_eq(prefix_sum.sym_size(0)),
-                     "block_residual.size(0) must equal prefix_sum.size(0)=", fmt(prefix_sum.sym_size(0)),
-                     " (token count), got ", fmt(block_residual.sym_size(0)));
+  K3_SYM_CHECK_VALUE(size_of(block_residual, 2).sym_eq(H), "block_residual.size(2) must equal prefix_sum.size(1)=",
+                     fmt(H), " (hidden size), got ", fmt(size_of(block_residual, 2)));
+  K3_SYM_CHECK_VALUE(size_of(norm_weight, 0).sym_eq(H), "norm_weight.size(0) must equal prefix_sum.size(1)=", fmt(H),
+                     " (hidden size), got ", fmt(size_of(norm_weight, 0)));
+  K3_SYM_CHECK_VALUE(size_of(proj_weight, -1).sym_eq(H), "proj_weight.size(-1) must equal prefix_sum.size(1)=", fmt(H),
+                     " (hidden size), got ", fmt(size_of(proj_weight, -1)));
+  K3_SYM_CHECK_VALUE(size_of(block_residual, 0).sym_eq(size_of(prefix_sum, 0)),
+                     "block_residual.size(0) must equal prefix_sum.size(0)=", fmt(size_of(prefix_sum, 0)),
+                     " (token count), got ", fmt(size_of(block_residual, 0)));
 
   // The valid prefix of the buffer: dim 1 is only capacity.
-  const c10::SymInt C = block_residual.sym_size(1);
+  const c10::SymInt C = size_of(block_residual, 1);
   TORCH_CHECK_VALUE(num_valid_blocks >= 0, "num_valid_blocks must be in [0, block_residual.size(1)=", fmt(C),
                     "], got ", num_valid_blocks);
   K3_SYM_CHECK_VALUE(C.sym_ge(num_valid_blocks), "num_valid_blocks must be in [0, block_residual.size(1)=", fmt(C),
@@ -163,7 +172,7 @@ void check_fused_attn_res_args(const at::Tensor& prefix_sum, const c10::optional
   }
   if (block_write_idx != -1) {
     // The snapshot goes into free capacity: never over a valid block, never past the buffer.
-    const c10::SymInt C = block_residual.sym_size(1);
+    const c10::SymInt C = size_of(block_residual, 1);
     TORCH_CHECK_VALUE(block_write_idx >= num_valid_blocks, "block_write_idx must be -1 (no snapshot) or in "
                       "[num_valid_blocks=", num_valid_blocks, ", block_residual.size(1)=", fmt(C), "), got ", block_write_idx);
     K3_SYM_CHECK_VALUE(C.sym_gt(block_write_idx), "block_write_idx must be -1 (no snapshot) or in [num_valid_blocks=",
@@ -172,10 +181,10 @@ void check_fused_attn_res_args(const at::Tensor& prefix_sum, const c10::optional
   if (out_norm_weight.has_value()) {
     const at::Tensor& w = *out_norm_weight;
     TORCH_CHECK_VALUE(w.dim() == 1, "out_norm_weight must be 1-D [H], got a ", w.dim(), "-D tensor of shape ",
-                      fmt(w.sym_sizes()));
-    K3_SYM_CHECK_VALUE(w.sym_size(0).sym_eq(prefix_sum.sym_size(1)),
-                       "out_norm_weight.size(0) must equal prefix_sum.size(1)=", fmt(prefix_sum.sym_size(1)),
-                       " (hidden size), got ", fmt(w.sym_size(0)));
+                      shape_of(w));
+    K3_SYM_CHECK_VALUE(size_of(w, 0).sym_eq(size_of(prefix_sum, 1)),
+                       "out_norm_weight.size(0) must equal prefix_sum.size(1)=", fmt(size_of(prefix_sum, 1)),
+                       " (hidden size), got ", fmt(size_of(w, 0)));
     check_floating_weight(w, "out_norm_weight");
     check_same_device(w, "out_norm_weight", prefix_sum);
   } else {
