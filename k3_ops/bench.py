@@ -131,7 +131,6 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    del src, dst
     return 2 * n * 2 / (ms * 1e-3)
 
 

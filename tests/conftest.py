@@ -78,6 +78,25 @@ class Sample:
         return args
 
 
+def positional(args: dict) -> tuple:
+    """attn_res's positional arguments from a ``Sample.make`` dict (opcheck takes positional args)."""
+    return (args["prefix_sum"], args["block_residual"], args["norm_weight"], args["proj_weight"],
+            args["num_valid_blocks"], args["eps"])
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN == NaN), independent of dtype."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def grad_out_for(sample: Sample, device, seed: int = 1) -> torch.Tensor:
+    """An upstream gradient [T, H] for ``sample``, drawn on the CPU so every device sees the same values."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sample.T, sample.H, generator=g).to(device=device, dtype=sample.dtype)
+
+
 # The opcheck / numerics samples required by the foundation issue; every later test reuses them.
 SAMPLES = [
     Sample(T=3, K=4, cap=8, H=7168, dtype=torch.bfloat16),  # the Kimi K3 hidden size

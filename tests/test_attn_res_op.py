@@ -2,8 +2,6 @@
 layouts, the unused-capacity rule, the Python API, and torch.compile / dynamic-shape behaviour."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch.testing._internal.optests import opcheck
@@ -12,7 +10,7 @@ import k3_ops
 from k3_ops import reference
 from k3_ops.testing import assert_close, error_stats
 
-from conftest import SAMPLES, Sample, sample_params
+from conftest import SAMPLES, Sample, bits_equal, positional, sample_params
 
 OP = torch.ops.kimi_k3.attn_res.default
 
@@ -20,18 +18,6 @@ OP = torch.ops.kimi_k3.attn_res.default
 def call(args: dict) -> torch.Tensor:
     return OP(args["prefix_sum"], args["block_residual"], args["norm_weight"], args["proj_weight"],
               args["num_valid_blocks"], args["eps"])
-
-
-def positional(args: dict) -> tuple:
-    return (args["prefix_sum"], args["block_residual"], args["norm_weight"], args["proj_weight"],
-            args["num_valid_blocks"], args["eps"])
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN == NaN), independent of dtype."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("sample", sample_params())

@@ -17,28 +17,11 @@ import k3_ops
 from k3_ops import reference
 from k3_ops.testing import assert_close
 
-from conftest import SAMPLES, Sample, requires_cuda, sample_params
+from conftest import SAMPLES, Sample, bits_equal, grad_out_for, positional, requires_cuda, sample_params
 
 FWD = torch.ops.kimi_k3.attn_res.default
 BWD = torch.ops.kimi_k3.attn_res_backward.default
 NAMES = ("prefix_sum", "block_residual", "norm_weight", "proj_weight")
-
-
-def positional(args: dict) -> tuple:
-    return (args["prefix_sum"], args["block_residual"], args["norm_weight"], args["proj_weight"],
-            args["num_valid_blocks"], args["eps"])
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN == NaN), independent of dtype."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def grad_out_for(sample: Sample, device, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(sample.T, sample.H, generator=g).to(device=device, dtype=sample.dtype)
 
 
 def f64_leaves(sample: Sample) -> dict:

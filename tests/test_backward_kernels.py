@@ -22,28 +22,11 @@ import torch
 from k3_ops import reference
 from k3_ops.testing import assert_accuracy_contract, error_stats
 
-from conftest import Sample, requires_cuda, requires_interpreter, sample_params
+from conftest import (Sample, bits_equal, grad_out_for, positional, requires_cuda, requires_interpreter,
+                      sample_params)
 
 BWD = torch.ops.kimi_k3.attn_res_backward.default
 FULL = [True, True, True]
-
-
-
-def positional(args: dict) -> tuple:
-    return (args["prefix_sum"], args["block_residual"], args["norm_weight"], args["proj_weight"],
-            args["num_valid_blocks"], args["eps"])
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN == NaN), independent of dtype."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def grad_out_for(sample: Sample, device, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(sample.T, sample.H, generator=g).to(device=device, dtype=sample.dtype)
 
 
 def policy_backward(policy: str, *args, **kw):

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .. import reference
 from ..kernels import attn_res_fwd as _fwd
 from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
 from . import _backward
