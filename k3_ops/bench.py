@@ -293,20 +293,41 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m k3_ops.bench", description=__doc__.split("\n\n")[0])
+def add_shape_args(p: argparse.ArgumentParser, capacity: int) -> None:
+    """Options every k3_ops benchmark shares: device, dtype, shapes, implementations, eager cut-off."""
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--capacity", type=int, default=9)
-    p.add_argument("--tokens", default=None, help="comma list of T for the token-major set")
-    p.add_argument("--block-tokens", default=None, help="comma list of T for the block-major set ('' for none)")
+    p.add_argument("--capacity", type=int, default=capacity)
     p.add_argument("--blocks", default=None, help="comma list of K")
     p.add_argument("--impls", default="k3_ops,eager,compile")
+    p.add_argument("--max-eager-tokens", type=int, default=1 << 62, help="skip the eager column above this T")
+
+
+def resolve_device_defaults(args: argparse.Namespace, cpu_tokens, gpu_tokens, cpu_blocks: str,
+                            gpu_blocks: str) -> bool:
+    """Fill device-dependent defaults in place (the CPU gets small shapes and no torch.compile column, which
+    would only time Inductor's CPU code); returns whether the run is on the CPU."""
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cpu = args.device == "cpu"
+    if args.tokens is None:
+        args.tokens = ",".join(map(str, cpu_tokens if cpu else gpu_tokens))
+    if args.blocks is None:
+        args.blocks = cpu_blocks if cpu else gpu_blocks
+    if cpu:
+        args.impls = ",".join(i for i in args.impls.split(",") if i in ("k3_ops", "eager"))
+    return cpu
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m k3_ops.bench", description=__doc__.split("\n\n")[0])
+    add_shape_args(p, capacity=9)
+    p.add_argument("--tokens", default=None, help="comma list of T for the token-major set")
+    p.add_argument("--block-tokens", default=None, help="comma list of T for the block-major set ('' for none)")
     p.add_argument("--configs", default=None,
                    help='extra k3_ops columns with explicit launch configs, JSON {"name": {"kernel": "rows", ...}} '
                         'or @file.json')
-    p.add_argument("--max-eager-tokens", type=int, default=1 << 62, help="skip the eager column above this T")
     p.add_argument("--rep", type=int, default=25, help="milliseconds of timed repetitions per measurement")
     p.add_argument("--graph-only", action="store_true", help="skip the plain-launch columns")
     p.add_argument("--out", default="bench_out", help="directory for results.json and plot.png")
@@ -315,17 +336,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    cpu = args.device == "cpu"
-    if args.tokens is None:
-        args.tokens = ",".join(map(str, CPU_TOKENS if cpu else FULL_TOKENS))
+    cpu = resolve_device_defaults(args, CPU_TOKENS, FULL_TOKENS, cpu_blocks="1,4,8", gpu_blocks="1,2,4,8")
     if args.block_tokens is None:
         args.block_tokens = "" if cpu else ",".join(map(str, BLOCK_MAJOR_TOKENS))
-    if args.blocks is None:
-        args.blocks = "1,4,8" if cpu else "1,2,4,8"
-    if cpu:
-        args.impls = ",".join(i for i in args.impls.split(",") if i in ("k3_ops", "eager"))
     import k3_ops  # noqa: F401  (the op library)
 
     result = run(args)

@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 
 from . import reference
-from .bench import DTYPES, Inputs, _progress, _time_cpu, copy_bandwidth, environment
+from .bench import (DTYPES, Inputs, _progress, _time_cpu, add_shape_args, copy_bandwidth, environment,
+                    resolve_device_defaults)
 
 GPU_TOKENS = (1024, 4096, 16384)
 CPU_TOKENS = (16, 64)
@@ -201,17 +202,11 @@ def print_table(result: dict, bw: float | None) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m k3_ops.bench_train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--capacity", type=int, default=8)
+    add_shape_args(p, capacity=8)
     p.add_argument("--tokens", default=None, help="comma list of T")
-    p.add_argument("--blocks", default=None, help="comma list of K")
     p.add_argument("--layouts", default="token", help="comma list of token / block")
-    p.add_argument("--impls", default="k3_ops,eager,compile")
     p.add_argument("--bwd-configs", default=None,
                    help='extra backward-only columns, JSON: {"name": {"programs_per_sm": 4, "tile_elems": 4096}}')
-    p.add_argument("--max-eager-tokens", type=int, default=1 << 62, help="skip eager / compile above this T")
     p.add_argument("--rep", type=int, default=50, help="milliseconds of timed repetitions per measurement")
     p.add_argument("--out", default="bench_out/train.json", help="JSON file for the results")
     return p
@@ -219,15 +214,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    cpu = args.device == "cpu"
-    if args.tokens is None:
-        args.tokens = ",".join(map(str, CPU_TOKENS if cpu else GPU_TOKENS))
-    if args.blocks is None:
-        args.blocks = "1,8" if cpu else "1,4,8"
-    if cpu:
-        args.impls = ",".join(i for i in args.impls.split(",") if i in ("k3_ops", "eager"))
+    resolve_device_defaults(args, CPU_TOKENS, GPU_TOKENS, cpu_blocks="1,8", gpu_blocks="1,4,8")
     import k3_ops  # noqa: F401  (the op library and its autograd)
 
     result = run(args)

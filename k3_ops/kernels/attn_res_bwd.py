@@ -172,6 +172,23 @@ def _df_softmax_backward(ss_hi, ss_lo, d_hi, d_lo, g_hi, g_lo, valid, H, eps):
             tl.where(valid, c_hi + c_lo, 0.0), tl.where(valid, a_hi + a_lo, 0.0))
 
 
+@triton.jit
+def _load_candidates(blk_tile, pre_row, cols, hmask, is_blk, is_prefix, stride_ph, stride_bh,
+                     H_STRIDED: tl.constexpr, EVICTION: tl.constexpr):
+    """One [K_PAD, BLOCK_H] FP32 chunk of token t's candidates (rows < K from the buffer, row K the prefix, rows
+    past K zero and never addressed): two plain masked loads and a value select, not a pointer select, which
+    the Ascend compiler handles better."""
+    if H_STRIDED:
+        pcols = cols.to(tl.int64) * stride_ph
+        bcols = cols.to(tl.int64) * stride_bh
+    else:
+        pcols = cols
+        bcols = cols
+    blk = tl.load(blk_tile + bcols[None, :], mask=is_blk & hmask[None, :], other=0.0, eviction_policy=EVICTION)
+    pre = tl.load(pre_row + pcols, mask=hmask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    return tl.where(is_prefix, pre[None, :], blk.to(tl.float32))
+
+
 @triton.jit(do_not_specialize=_BWD_RUNTIME_INTS)
 def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, gb_ptr, ws_ptr,
                         T, K, C, H, eps, tokens_per_prog,
@@ -233,17 +250,9 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             hmask = cols < H
-            if H_STRIDED:
-                pcols = cols.to(tl.int64) * stride_ph
-                bcols = cols.to(tl.int64) * stride_bh
-            else:
-                pcols = cols
-                bcols = cols
-            # Two plain masked loads and a value select (no pointer select: friendlier to the Ascend compiler).
-            blk = tl.load(blk_tile + bcols[None, :], mask=is_blk & hmask[None, :], other=0.0,
-                          eviction_policy="evict_last")
-            pre = tl.load(pre_row + pcols, mask=hmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            x = tl.where(r2 == K, pre[None, :], blk.to(tl.float32))
+            # Pass 1 keeps the chunk in L2 (evict_last): pass 2 reads it again.
+            x = _load_candidates(blk_tile, pre_row, cols, hmask, is_blk, r2 == K, stride_ph, stride_bh, H_STRIDED,
+                                 "evict_last")
             gy = tl.load(gy_row + cols, mask=hmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             w = (tl.load(nw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
                  * tl.load(pw_ptr + cols, mask=hmask, other=0.0).to(tl.float32))  # folded in FP32, as the forward
@@ -300,16 +309,8 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             hmask = cols < H
-            if H_STRIDED:
-                pcols = cols.to(tl.int64) * stride_ph
-                bcols = cols.to(tl.int64) * stride_bh
-            else:
-                pcols = cols
-                bcols = cols
-            blk = tl.load(blk_tile + bcols[None, :], mask=is_blk & hmask[None, :], other=0.0,
-                          eviction_policy="evict_first")
-            pre = tl.load(pre_row + pcols, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            x = tl.where(r2 == K, pre[None, :], blk.to(tl.float32))
+            x = _load_candidates(blk_tile, pre_row, cols, hmask, is_blk, r2 == K, stride_ph, stride_bh, H_STRIDED,
+                                 "evict_first")
             if WRITE_PREFIX or WRITE_BLOCKS:
                 gy = tl.load(gy_row + cols, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 w = (tl.load(nw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
