@@ -34,19 +34,10 @@ import triton
 import triton.language as tl
 
 # Double-float ("FP32 pair") primitives shared with the forward's Ascend kernel (exact TwoSum / TwoProduct).
-from .attn_res_fwd import _df_mul, _fast_two_sum, _two_prod, _two_sum_combine
+from .attn_res_fwd import _df_div_int, _df_mul, _df_score, _two_prod, _two_sum_combine
 
 _BWD_RUNTIME_INTS = ["T", "K", "C", "tokens_per_prog", "stride_gyt", "stride_pt", "stride_ph", "stride_bt",
                      "stride_bc", "stride_bh", "stride_gpt", "stride_gbt", "stride_gbc"]
-
-
-@triton.jit
-def _df_div_int(hi, lo, n):
-    # (hi + lo) / n in double-float for a positive integer n (exact in FP32): quotient, then the exact remainder.
-    nf = n.to(tl.float32)
-    q = hi / nf
-    p, e = _two_prod(q, nf)
-    return _fast_two_sum(q, (((hi - p) - e) + lo) / nf)
 
 
 @triton.jit
@@ -138,15 +129,7 @@ def _df_softmax_backward(ss_hi, ss_lo, d_hi, d_lo, g_hi, g_lo, valid, H, eps):
     """The per-token scalar chain from double-float (hi, lo) statistics, carried in double-float FP32 arithmetic
     (for devices without FP64): r = rsqrt(ss / H + eps), s = r d, p = softmax(s), gs = p (g - sum p g),
     c = d r^3 / H, a = gs r. Returns p, gs, r, c, a rounded to FP32 (zero on padding rows)."""
-    m_hi, m_lo = _df_div_int(ss_hi, ss_lo, H)
-    m_hi, m_lo = _two_sum_combine(m_hi, m_lo, eps, 0.0)
-    m_hi, m_lo = _fast_two_sum(m_hi, m_lo)
-    # r = 1 / sqrt(m): FP32 estimate, then one Newton step on the double-float residual m * r0^2 - 1.
-    r0 = 1.0 / tl.sqrt(m_hi)
-    sq_hi, sq_lo = _two_prod(r0, r0)
-    t_hi, t_lo = _df_mul(m_hi, m_lo, sq_hi, sq_lo)
-    r_hi, r_lo = _fast_two_sum(r0, -0.5 * r0 * ((t_hi - 1.0) + t_lo))
-    s_hi, s_lo = _df_mul(d_hi, d_lo, r_hi, r_lo)
+    r_hi, r_lo, s_hi, s_lo = _df_score(ss_hi, ss_lo, d_hi, d_lo, H, eps)
     mx = tl.max(tl.where(valid, s_hi, -float("inf")), axis=0)
     z_hi, z_lo = _two_sum_combine(tl.where(valid, s_hi, mx), tl.where(valid, s_lo, 0.0), -mx, 0.0)
     e_hi, e_lo = _df_exp(z_hi, z_lo)

@@ -522,22 +522,36 @@ def _df_mul(a_hi, a_lo, b_hi, b_lo):
 
 
 @triton.jit
-def _df_softmax_weights(ss_hi, ss_lo, d_hi, d_lo, valid, H, eps):
-    """softmax(rsqrt(ss / H + eps) * d) over [K_PAD] candidates from double-float (hi, lo) statistics, with the
-    score carried in double-float arithmetic (FP32 only, for Ascend): an FP32 score's absolute rounding error
-    (~1e-7 x |s|) becomes the weights' relative error, which dominates fp32 outputs."""
-    # m = ss / H + eps
-    q = ss_hi / H
-    p, e = _two_prod(q, H.to(tl.float32))
-    m_hi, m_lo = _fast_two_sum(q, (((ss_hi - p) - e) + ss_lo) / H)
+def _df_div_int(hi, lo, n):
+    # (hi + lo) / n in double-float for a positive integer n (exact in FP32): quotient, then the exact remainder.
+    nf = n.to(tl.float32)
+    q = hi / nf
+    p, e = _two_prod(q, nf)
+    return _fast_two_sum(q, (((hi - p) - e) + lo) / nf)
+
+
+@triton.jit
+def _df_score(ss_hi, ss_lo, d_hi, d_lo, H, eps):
+    """r = rsqrt(ss / H + eps) and s = r * d in double-float FP32 arithmetic (forward and backward share it, so
+    both see the same scores): m = ss / H + eps, then an FP32 estimate of 1 / sqrt(m) refined by one Newton
+    step on the double-float residual m * r0^2 - 1."""
+    m_hi, m_lo = _df_div_int(ss_hi, ss_lo, H)
     m_hi, m_lo = _two_sum_combine(m_hi, m_lo, eps, 0.0)
     m_hi, m_lo = _fast_two_sum(m_hi, m_lo)
-    # r = 1 / sqrt(m): FP32 estimate, then one Newton step on the double-float residual m * r0^2 - 1.
     r0 = 1.0 / tl.sqrt(m_hi)
     sq_hi, sq_lo = _two_prod(r0, r0)
     t_hi, t_lo = _df_mul(m_hi, m_lo, sq_hi, sq_lo)
     r_hi, r_lo = _fast_two_sum(r0, -0.5 * r0 * ((t_hi - 1.0) + t_lo))
     s_hi, s_lo = _df_mul(d_hi, d_lo, r_hi, r_lo)
+    return r_hi, r_lo, s_hi, s_lo
+
+
+@triton.jit
+def _df_softmax_weights(ss_hi, ss_lo, d_hi, d_lo, valid, H, eps):
+    """softmax(rsqrt(ss / H + eps) * d) over [K_PAD] candidates from double-float (hi, lo) statistics, with the
+    score carried in double-float arithmetic (FP32 only, for Ascend): an FP32 score's absolute rounding error
+    (~1e-7 x |s|) becomes the weights' relative error, which dominates fp32 outputs."""
+    r_hi, r_lo, s_hi, s_lo = _df_score(ss_hi, ss_lo, d_hi, d_lo, H, eps)
     mx = tl.max(tl.where(valid, s_hi, -float("inf")), axis=0)
     # exp(s - mx) with the low part applied to first order (|s_lo| ~ 1e-7 |s|). Padding rows get weight 0 (and
     # stay finite on the way: no inf - inf).
