@@ -15,10 +15,19 @@ from test_fused import NORM_RTOL, FusedCase, _truncate_to_bf16, bits, positional
 from test_npu_simulated import NpuTensor, simulated_npu  # noqa: F401  (the fixture)
 
 
+#: Forced launch configurations per path: the rows kernel with its row held in registers (prefetch 1) and
+#: pipelined through shared memory (prefetch 0, the large-T default), and the split kernel.
+FORCED = {
+    "rows": dict(kernel="rows", prefetch=1),
+    "rows-pipelined": dict(kernel="rows", prefetch=0, num_stages=3),
+    "split": dict(kernel="split", chunk=16, max_chunk=64),
+}
+
+
 def _forced(path: str):
     from k3_ops.backends import cuda
 
-    return cuda.LaunchConfig(kernel=path, chunk=16, max_chunk=64) if path == "split" else cuda.LaunchConfig()
+    return cuda.LaunchConfig(**FORCED[path])
 
 
 def _run_policy(case: FusedCase, args: dict, path: str, monkeypatch):
@@ -37,7 +46,7 @@ def _run_policy(case: FusedCase, args: dict, path: str, monkeypatch):
 
     monkeypatch.setattr(cuda, "choose_config", choose)
     out, new_prefix = cuda.fused_attn_res(*positional(args))
-    assert seen == [path], f"expected the {path} path, the policy chose {seen}"
+    assert seen == [FORCED[path]["kernel"]], f"expected the {path} path, the policy chose {seen}"
     mix = cuda.attn_res_forward(new_prefix, args["block_residual"], args["norm_weight"], args["proj_weight"],
                                 case.base.K, case.base.eps, config=config)
     return out, new_prefix, mix
@@ -83,7 +92,7 @@ FLAG_CASES = [
 
 @requires_interpreter
 @pytest.mark.interpreter
-@pytest.mark.parametrize("path", ["rows", "split"])
+@pytest.mark.parametrize("path", list(FORCED))
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in FLAG_CASES])
 def test_cuda_policy_paths_under_interpreter(case: FusedCase, path: str, monkeypatch):
     args = case.make("cpu")
@@ -147,11 +156,11 @@ CUDA_CASES = [
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("two_launch", [False, True], ids=["barrier", "two_launch"])
-@pytest.mark.parametrize("path", ["rows", "split"])
+@pytest.mark.parametrize("path", list(FORCED))
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CUDA_CASES])
 def test_cuda_paths(case: FusedCase, path: str, two_launch: bool, monkeypatch):
     if two_launch:
-        if path == "rows":
+        if path != "split":
             pytest.skip("two-launch mode is a split-path option")
         monkeypatch.setenv("K3_OPS_SPLIT_TWO_LAUNCH", "1")
     from k3_ops.backends import cuda

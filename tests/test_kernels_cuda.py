@@ -83,7 +83,15 @@ def test_accuracy_contract_default_table(sample):
     check_contract(cuda_backend().attn_res_forward(**args), args, f"table:{sample.id}")
 
 
-@pytest.mark.parametrize("path", ["rows", "split"])
+PATHS = {
+    "rows": dict(kernel="rows"),  # rows held in registers, one prefetched
+    "rows-pipelined": dict(kernel="rows", prefetch=0, num_stages=4),  # cp.async stages in shared memory
+    "rows-pipelined-8w": dict(kernel="rows", prefetch=0, num_stages=8, num_warps=8, ctas_per_sm=1),
+    "split": dict(kernel="split"),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("sample", sample_params([
     Sample(T=1, K=4, cap=8, H=7168),
     Sample(T=9, K=8, cap=9, H=7168),
@@ -94,7 +102,7 @@ def test_accuracy_contract_default_table(sample):
 def test_accuracy_contract_each_path(sample, path):
     cuda = cuda_backend()
     args = sample.make(device="cuda")
-    out = cuda.attn_res_forward(**args, config=cuda.LaunchConfig(kernel=path))
+    out = cuda.attn_res_forward(**args, config=cuda.LaunchConfig(**PATHS[path]))
     check_contract(out, args, f"{path}:{sample.id}")
 
 

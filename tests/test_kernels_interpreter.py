@@ -46,7 +46,9 @@ def cuda_config(path: str | None):
         return {}
     from k3_ops.backends.cuda import LaunchConfig
 
-    return {"config": LaunchConfig(kernel=path)}
+    if path == "rows-pipelined":  # the large-T default: rows staged through shared memory (prefetch 0)
+        return {"config": LaunchConfig(kernel="rows", prefetch=0, num_stages=3)}
+    return {"config": LaunchConfig(kernel=path, prefetch=1) if path == "rows" else LaunchConfig(kernel=path)}
 
 
 def truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +127,7 @@ FORCED = [
 
 
 @pytest.mark.parametrize("sample", [pytest.param(s, id=s.id) for s in FORCED])
-@pytest.mark.parametrize("path", ["rows", "split"])
+@pytest.mark.parametrize("path", ["rows", "rows-pipelined", "split"])
 def test_cuda_paths_forced(path, sample):
     args = sample.make(seed=1)
     check_contract(run_policy("cuda", args, **cuda_config(path)), args, f"cuda-{path}:{sample.id}")

@@ -188,6 +188,8 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     # checks the actual K + 1 <= SPLIT_MAX_CANDIDATES.
     if t_bucket <= 64 and k_bucket <= SPLIT_MAX_CANDIDATES:
         return LaunchConfig(kernel="split", chunk=512)
+    if t_bucket >= 1024:
+        return LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2, prefetch=0, num_stages=3)
     return LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2)
 
 
