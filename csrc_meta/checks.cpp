@@ -2,20 +2,79 @@
 
 #include <c10/core/ScalarType.h>
 #include <c10/core/SymBool.h>
+#include <c10/core/SymInt.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <sstream>
 #include <string>
 
 namespace k3_ops {
 namespace {
 
-// TORCH_SYM_CHECK raises RuntimeError; shape and value rules raise ValueError like the rest of the
-// Python API, so the symbolic variant of TORCH_CHECK_VALUE is spelled out here.
-#define K3_SYM_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE((cond).expect_true(__FILE__, __LINE__), __VA_ARGS__)
+// ---- Message formatting: plain ostream, so both instantiations print numbers identically ("1e-06", "nan").
+inline void put(std::ostringstream&) {}
+template <typename T, typename... Rest>
+void put(std::ostringstream& os, const T& first, const Rest&... rest) {
+  os << first;
+  put(os, rest...);
+}
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream os;
+  put(os, args...);
+  return os.str();
+}
 
-// Python spelling ("torch.int64"), since that is what the caller wrote. Spelled out here rather than taken
-// from c10::getDtypeNames, whose result crashed torch 2.11 for complex dtypes in our tests.
+// A rule: when `ok` is false, the op's first violation is this message.
+#define K3_RULE(ok, is_type, ...)                        \
+  do {                                                   \
+    if (!(ok)) return Violation{(is_type), cat(__VA_ARGS__)}; \
+  } while (0)
+#define K3_VALUE_RULE(ok, ...) K3_RULE(ok, false, __VA_ARGS__)
+#define K3_TYPE_RULE(ok, ...) K3_RULE(ok, true, __VA_ARGS__)
+#define K3_FIRST(verdict)           \
+  do {                              \
+    if (Verdict v_ = (verdict)) return v_; \
+  } while (0)
+
+// ---- Size policies: how a rule reads, compares and prints a size.
+// Concrete (eager tensors): int64 throughout.
+struct Concrete {
+  using Int = int64_t;
+  static Int size(const at::Tensor& t, int64_t d) { return t.size(d); }
+  static bool eq(Int a, Int b) { return a == b; }
+  static bool ge(Int a, int64_t b) { return a >= b; }
+  static bool gt(Int a, int64_t b) { return a > b; }
+  static std::string str(Int v) { return std::to_string(v); }
+};
+
+// Symbolic (Meta kernels under tracing): SymInts; comparisons that dynamo cannot decide without a guard on
+// data-dependent (unbacked) sizes become deferred runtime asserts (expect_true), never a graph break.
+struct Symbolic {
+  using Int = c10::SymInt;
+  static Int size(const at::Tensor& t, int64_t d) { return t.sym_size(d); }
+  static bool eq(const Int& a, const Int& b) { return a.sym_eq(b).expect_true(__FILE__, __LINE__); }
+  static bool ge(const Int& a, int64_t b) { return a.sym_ge(b).expect_true(__FILE__, __LINE__); }
+  static bool gt(const Int& a, int64_t b) { return a.sym_gt(b).expect_true(__FILE__, __LINE__); }
+  static std::string str(const Int& v) {
+    if (auto i = v.maybe_as_int()) {
+      return std::to_string(*i);
+    }
+    return v.toSymNodeImplUnowned()->str();
+  }
+};
+
+template <typename P>
+std::string shape_of(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    out += (i ? ", " : "") + P::str(P::size(t, i));
+  }
+  return out + "]";
+}
+
+// Python spelling ("torch.int64"), since that is what the caller wrote.
 std::string dtype_name(at::ScalarType t) {
   switch (t) {
     case at::kBool: return "torch.bool";
@@ -37,128 +96,189 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
-// Sizes are read and formatted through these helpers. Tensors with concrete sizes (every eager call) never go
-// through the SymInt API at all: on the H200's torch 2.11 build, formatting a SymInt read from a plain CPU
-// tensor's sym_size() into an error message segfaulted (a garbage SymInt inside c10::str, seen with cuda-gdb).
-// Only tensors with symbolic sizes (FakeTensor / Meta under tracing) use sym_size, where it is required.
-bool symbolic(const at::Tensor& t) {
-  return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
-}
-
-c10::SymInt size_of(const at::Tensor& t, int64_t d) {
-  return symbolic(t) ? t.sym_size(d) : c10::SymInt(t.size(d));
-}
-
-std::string fmt(const c10::SymInt& s) {
-  if (auto v = s.maybe_as_int()) {
-    return std::to_string(*v);
-  }
-  return s.toSymNode()->str();
-}
-
-std::string shape_of(const at::Tensor& t) {
-  std::string out = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    out += (i ? ", " : "") + (symbolic(t) ? fmt(t.sym_size(i)) : std::to_string(t.size(i)));
-  }
-  return out + "]";
-}
-
 bool is_io_dtype(at::ScalarType t) {
   return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat || t == at::kDouble;
 }
 
-void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& prefix_sum) {
-  TORCH_CHECK_VALUE(t.device() == prefix_sum.device(), name, " must be on prefix_sum's device (",
-                    prefix_sum.device(), "), got ", t.device());
+Verdict same_device(const at::Tensor& t, const char* name, const at::Tensor& prefix_sum) {
+  K3_VALUE_RULE(t.device() == prefix_sum.device(), name, " must be on prefix_sum's device (",
+                prefix_sum.device().str(), "), got ", t.device().str());
+  return std::nullopt;
 }
 
-void check_floating_weight(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), name, ".dtype must be a floating dtype, got ",
-                   dtype_name(t.scalar_type()));
+Verdict floating_weight(const at::Tensor& t, const char* name) {
+  K3_TYPE_RULE(at::isFloatingType(t.scalar_type()), name, ".dtype must be a floating dtype, got ",
+               dtype_name(t.scalar_type()));
+  return std::nullopt;
 }
 
-void check_eps(double eps, const char* name) {
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0.0, name, " must be finite and > 0, got ", eps);
+Verdict positive_eps(double eps, const char* name) {
+  K3_VALUE_RULE(std::isfinite(eps) && eps > 0.0, name, " must be finite and > 0, got ", eps);
+  return std::nullopt;
 }
 
 // grad_out of the backward and addend of the fused op are "another [T, H] tensor like prefix_sum".
-void check_like_prefix(const at::Tensor& t, const char* name, const at::Tensor& prefix_sum) {
-  TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D [T, H] like prefix_sum, got a ", t.dim(),
-                    "-D tensor of shape ", shape_of(t));
-  TORCH_CHECK_TYPE(t.scalar_type() == prefix_sum.scalar_type(), name, ".dtype must equal prefix_sum.dtype=",
-                   dtype_name(prefix_sum.scalar_type()), ", got ", dtype_name(t.scalar_type()));
-  check_same_device(t, name, prefix_sum);
-  K3_SYM_CHECK_VALUE(size_of(t, 0).sym_eq(size_of(prefix_sum, 0)), name, ".size(0) must equal prefix_sum.size(0)=",
-                     fmt(size_of(prefix_sum, 0)), " (token count), got ", fmt(size_of(t, 0)));
-  K3_SYM_CHECK_VALUE(size_of(t, 1).sym_eq(size_of(prefix_sum, 1)), name, ".size(1) must equal prefix_sum.size(1)=",
-                     fmt(size_of(prefix_sum, 1)), " (hidden size), got ", fmt(size_of(t, 1)));
+template <typename P>
+Verdict like_prefix(const at::Tensor& t, const char* name, const at::Tensor& prefix_sum) {
+  K3_VALUE_RULE(t.dim() == 2, name, " must be 2-D [T, H] like prefix_sum, got a ", t.dim(), "-D tensor of shape ",
+                shape_of<P>(t));
+  K3_TYPE_RULE(t.scalar_type() == prefix_sum.scalar_type(), name, ".dtype must equal prefix_sum.dtype=",
+               dtype_name(prefix_sum.scalar_type()), ", got ", dtype_name(t.scalar_type()));
+  K3_FIRST(same_device(t, name, prefix_sum));
+  const auto T = P::size(prefix_sum, 0);
+  const auto H = P::size(prefix_sum, 1);
+  K3_VALUE_RULE(P::eq(P::size(t, 0), T), name, ".size(0) must equal prefix_sum.size(0)=", P::str(T),
+                " (token count), got ", P::str(P::size(t, 0)));
+  K3_VALUE_RULE(P::eq(P::size(t, 1), H), name, ".size(1) must equal prefix_sum.size(1)=", P::str(H),
+                " (hidden size), got ", P::str(P::size(t, 1)));
+  return std::nullopt;
+}
+
+template <typename P>
+Verdict attn_res_rules(const at::Tensor& prefix_sum, const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                       const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps) {
+  // Ranks first: every later rule indexes sizes.
+  K3_VALUE_RULE(prefix_sum.dim() == 2, "prefix_sum must be 2-D [T, H], got a ", prefix_sum.dim(),
+                "-D tensor of shape ", shape_of<P>(prefix_sum));
+  K3_VALUE_RULE(block_residual.dim() == 3,
+                "block_residual must be 3-D [T, C, H] (pass a block-major [C, T, H] buffer as "
+                ".transpose(0, 1)), got a ", block_residual.dim(), "-D tensor of shape ", shape_of<P>(block_residual));
+  K3_VALUE_RULE(norm_weight.dim() == 1, "norm_weight must be 1-D [H], got a ", norm_weight.dim(),
+                "-D tensor of shape ", shape_of<P>(norm_weight));
+  K3_VALUE_RULE(proj_weight.dim() == 1 || proj_weight.dim() == 2,
+                "proj_weight must be [H] or [1, H] (an nn.Linear(H, 1) weight), got a ", proj_weight.dim(),
+                "-D tensor of shape ", shape_of<P>(proj_weight));
+  if (proj_weight.dim() == 2) {
+    K3_VALUE_RULE(P::eq(P::size(proj_weight, 0), 1),
+                  "proj_weight must be [H] or [1, H] (an nn.Linear(H, 1) weight), got shape ", shape_of<P>(proj_weight));
+  }
+
+  // Dtypes: the candidates share one I/O dtype; the weights may be any floating dtype.
+  K3_TYPE_RULE(is_io_dtype(prefix_sum.scalar_type()),
+               "prefix_sum.dtype must be one of torch.bfloat16, torch.float16, torch.float32, torch.float64, got ",
+               dtype_name(prefix_sum.scalar_type()));
+  K3_TYPE_RULE(block_residual.scalar_type() == prefix_sum.scalar_type(),
+               "block_residual.dtype must equal prefix_sum.dtype=", dtype_name(prefix_sum.scalar_type()), ", got ",
+               dtype_name(block_residual.scalar_type()));
+  K3_FIRST(floating_weight(norm_weight, "norm_weight"));
+  K3_FIRST(floating_weight(proj_weight, "proj_weight"));
+
+  K3_FIRST(same_device(block_residual, "block_residual", prefix_sum));
+  K3_FIRST(same_device(norm_weight, "norm_weight", prefix_sum));
+  K3_FIRST(same_device(proj_weight, "proj_weight", prefix_sum));
+
+  // Sizes: one hidden size H >= 1 and one token count T across all arguments.
+  const auto H = P::size(prefix_sum, 1);
+  K3_VALUE_RULE(P::ge(H, 1), "prefix_sum.size(1) (hidden size H) must be >= 1, got ", P::str(H));
+  K3_VALUE_RULE(P::eq(P::size(block_residual, 2), H), "block_residual.size(2) must equal prefix_sum.size(1)=",
+                P::str(H), " (hidden size), got ", P::str(P::size(block_residual, 2)));
+  K3_VALUE_RULE(P::eq(P::size(norm_weight, 0), H), "norm_weight.size(0) must equal prefix_sum.size(1)=", P::str(H),
+                " (hidden size), got ", P::str(P::size(norm_weight, 0)));
+  K3_VALUE_RULE(P::eq(P::size(proj_weight, proj_weight.dim() - 1), H),
+                "proj_weight.size(-1) must equal prefix_sum.size(1)=", P::str(H), " (hidden size), got ",
+                P::str(P::size(proj_weight, proj_weight.dim() - 1)));
+  K3_VALUE_RULE(P::eq(P::size(block_residual, 0), P::size(prefix_sum, 0)),
+                "block_residual.size(0) must equal prefix_sum.size(0)=", P::str(P::size(prefix_sum, 0)),
+                " (token count), got ", P::str(P::size(block_residual, 0)));
+
+  // The valid prefix of the buffer: dim 1 is only capacity.
+  const auto C = P::size(block_residual, 1);
+  K3_VALUE_RULE(num_valid_blocks >= 0, "num_valid_blocks must be in [0, block_residual.size(1)=", P::str(C),
+                "], got ", num_valid_blocks);
+  K3_VALUE_RULE(P::ge(C, num_valid_blocks), "num_valid_blocks must be in [0, block_residual.size(1)=", P::str(C),
+                "], got ", num_valid_blocks);
+  return positive_eps(eps, "eps");
+}
+
+template <typename P>
+Verdict attn_res_backward_rules(const at::Tensor& grad_out, const at::Tensor& prefix_sum,
+                                const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps) {
+  K3_FIRST(attn_res_rules<P>(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps));
+  return like_prefix<P>(grad_out, "grad_out", prefix_sum);
+}
+
+template <typename P>
+Verdict fused_attn_res_rules(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                             const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                             const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                             int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                             c10::optional<double> out_norm_eps) {
+  K3_FIRST(attn_res_rules<P>(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps));
+  if (addend.has_value()) {
+    K3_FIRST(like_prefix<P>(*addend, "addend", prefix_sum));
+  }
+  if (block_write_idx != -1) {
+    // The snapshot goes into free capacity: never over a valid block, never past the buffer.
+    const auto C = P::size(block_residual, 1);
+    K3_VALUE_RULE(block_write_idx >= num_valid_blocks && P::gt(C, block_write_idx),
+                  "block_write_idx must be -1 (no snapshot) or in [num_valid_blocks=", num_valid_blocks,
+                  ", block_residual.size(1)=", P::str(C), "), got ", block_write_idx);
+  }
+  if (out_norm_weight.has_value()) {
+    const at::Tensor& w = *out_norm_weight;
+    K3_VALUE_RULE(w.dim() == 1, "out_norm_weight must be 1-D [H], got a ", w.dim(), "-D tensor of shape ",
+                  shape_of<P>(w));
+    K3_VALUE_RULE(P::eq(P::size(w, 0), P::size(prefix_sum, 1)), "out_norm_weight.size(0) must equal prefix_sum.size(1)=",
+                  P::str(P::size(prefix_sum, 1)), " (hidden size), got ", P::str(P::size(w, 0)));
+    K3_FIRST(floating_weight(w, "out_norm_weight"));
+    K3_FIRST(same_device(w, "out_norm_weight", prefix_sum));
+  } else {
+    K3_VALUE_RULE(!out_norm_eps.has_value(), "out_norm_eps needs out_norm_weight (there is no output norm "
+                  "without it), got out_norm_eps=", out_norm_eps.value_or(0.0), " and out_norm_weight=None");
+  }
+  if (out_norm_eps.has_value()) {
+    K3_FIRST(positive_eps(*out_norm_eps, "out_norm_eps"));
+  }
+  return std::nullopt;
+}
+
+// Trace time: raise the violation as the matching Python exception type.
+void raise(const Verdict& v) {
+  if (!v) {
+    return;
+  }
+  if (v->type_error) {
+    TORCH_CHECK_TYPE(false, v->message);
+  }
+  TORCH_CHECK_VALUE(false, v->message);
 }
 
 }  // namespace
 
+Verdict attn_res_violation(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
+                           const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks,
+                           double eps) {
+  return attn_res_rules<Concrete>(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
+}
+
+Verdict attn_res_backward_violation(const at::Tensor& grad_out, const at::Tensor& prefix_sum,
+                                    const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                    const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps) {
+  return attn_res_backward_rules<Concrete>(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                           num_valid_blocks, eps);
+}
+
+Verdict fused_attn_res_violation(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                 const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                 const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                 int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                 c10::optional<double> out_norm_eps) {
+  return fused_attn_res_rules<Concrete>(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                        num_valid_blocks, eps, block_write_idx, out_norm_weight, out_norm_eps);
+}
+
 void check_attn_res_args(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
-                         const at::Tensor& norm_weight, const at::Tensor& proj_weight,
-                         int64_t num_valid_blocks, double eps) {
-  // Ranks first: every later rule indexes sizes.
-  TORCH_CHECK_VALUE(prefix_sum.dim() == 2, "prefix_sum must be 2-D [T, H], got a ", prefix_sum.dim(),
-                    "-D tensor of shape ", shape_of(prefix_sum));
-  TORCH_CHECK_VALUE(block_residual.dim() == 3,
-                    "block_residual must be 3-D [T, C, H] (pass a block-major [C, T, H] buffer as "
-                    ".transpose(0, 1)), got a ", block_residual.dim(), "-D tensor of shape ",
-                    shape_of(block_residual));
-  TORCH_CHECK_VALUE(norm_weight.dim() == 1, "norm_weight must be 1-D [H], got a ", norm_weight.dim(),
-                    "-D tensor of shape ", shape_of(norm_weight));
-  TORCH_CHECK_VALUE(proj_weight.dim() == 1 || proj_weight.dim() == 2,
-                    "proj_weight must be [H] or [1, H] (an nn.Linear(H, 1) weight), got a ", proj_weight.dim(),
-                    "-D tensor of shape ", shape_of(proj_weight));
-  if (proj_weight.dim() == 2) {
-    K3_SYM_CHECK_VALUE(size_of(proj_weight, 0).sym_eq(1),
-                       "proj_weight must be [H] or [1, H] (an nn.Linear(H, 1) weight), got shape ",
-                       shape_of(proj_weight));
-  }
-
-  // Dtypes: the candidates share one I/O dtype; the weights may be any floating dtype.
-  TORCH_CHECK_TYPE(is_io_dtype(prefix_sum.scalar_type()),
-                   "prefix_sum.dtype must be one of torch.bfloat16, torch.float16, torch.float32, torch.float64, got ",
-                   dtype_name(prefix_sum.scalar_type()));
-  TORCH_CHECK_TYPE(block_residual.scalar_type() == prefix_sum.scalar_type(),
-                   "block_residual.dtype must equal prefix_sum.dtype=", dtype_name(prefix_sum.scalar_type()),
-                   ", got ", dtype_name(block_residual.scalar_type()));
-  check_floating_weight(norm_weight, "norm_weight");
-  check_floating_weight(proj_weight, "proj_weight");
-
-  check_same_device(block_residual, "block_residual", prefix_sum);
-  check_same_device(norm_weight, "norm_weight", prefix_sum);
-  check_same_device(proj_weight, "proj_weight", prefix_sum);
-
-  // Sizes: one hidden size H >= 1 and one token count T across all arguments.
-  const c10::SymInt H = size_of(prefix_sum, 1);
-  K3_SYM_CHECK_VALUE(H.sym_ge(1), "prefix_sum.size(1) (hidden size H) must be >= 1, got ", fmt(H));
-  K3_SYM_CHECK_VALUE(size_of(block_residual, 2).sym_eq(H), "block_residual.size(2) must equal prefix_sum.size(1)=",
-                     fmt(H), " (hidden size), got ", fmt(size_of(block_residual, 2)));
-  K3_SYM_CHECK_VALUE(size_of(norm_weight, 0).sym_eq(H), "norm_weight.size(0) must equal prefix_sum.size(1)=", fmt(H),
-                     " (hidden size), got ", fmt(size_of(norm_weight, 0)));
-  K3_SYM_CHECK_VALUE(size_of(proj_weight, -1).sym_eq(H), "proj_weight.size(-1) must equal prefix_sum.size(1)=", fmt(H),
-                     " (hidden size), got ", fmt(size_of(proj_weight, -1)));
-  K3_SYM_CHECK_VALUE(size_of(block_residual, 0).sym_eq(size_of(prefix_sum, 0)),
-                     "block_residual.size(0) must equal prefix_sum.size(0)=", fmt(size_of(prefix_sum, 0)),
-                     " (token count), got ", fmt(size_of(block_residual, 0)));
-
-  // The valid prefix of the buffer: dim 1 is only capacity.
-  const c10::SymInt C = size_of(block_residual, 1);
-  TORCH_CHECK_VALUE(num_valid_blocks >= 0, "num_valid_blocks must be in [0, block_residual.size(1)=", fmt(C),
-                    "], got ", num_valid_blocks);
-  K3_SYM_CHECK_VALUE(C.sym_ge(num_valid_blocks), "num_valid_blocks must be in [0, block_residual.size(1)=", fmt(C),
-                     "], got ", num_valid_blocks);
-  check_eps(eps, "eps");
+                         const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks,
+                         double eps) {
+  raise(attn_res_rules<Symbolic>(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps));
 }
 
 void check_attn_res_backward_args(const at::Tensor& grad_out, const at::Tensor& prefix_sum,
                                   const at::Tensor& block_residual, const at::Tensor& norm_weight,
                                   const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps) {
-  check_attn_res_args(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
-  check_like_prefix(grad_out, "grad_out", prefix_sum);
+  raise(attn_res_backward_rules<Symbolic>(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                          num_valid_blocks, eps));
 }
 
 void check_fused_attn_res_args(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
@@ -166,34 +286,8 @@ void check_fused_attn_res_args(const at::Tensor& prefix_sum, const c10::optional
                                const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
                                int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
                                c10::optional<double> out_norm_eps) {
-  check_attn_res_args(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
-  if (addend.has_value()) {
-    check_like_prefix(*addend, "addend", prefix_sum);
-  }
-  if (block_write_idx != -1) {
-    // The snapshot goes into free capacity: never over a valid block, never past the buffer.
-    const c10::SymInt C = size_of(block_residual, 1);
-    TORCH_CHECK_VALUE(block_write_idx >= num_valid_blocks, "block_write_idx must be -1 (no snapshot) or in "
-                      "[num_valid_blocks=", num_valid_blocks, ", block_residual.size(1)=", fmt(C), "), got ", block_write_idx);
-    K3_SYM_CHECK_VALUE(C.sym_gt(block_write_idx), "block_write_idx must be -1 (no snapshot) or in [num_valid_blocks=",
-                       num_valid_blocks, ", block_residual.size(1)=", fmt(C), "), got ", block_write_idx);
-  }
-  if (out_norm_weight.has_value()) {
-    const at::Tensor& w = *out_norm_weight;
-    TORCH_CHECK_VALUE(w.dim() == 1, "out_norm_weight must be 1-D [H], got a ", w.dim(), "-D tensor of shape ",
-                      shape_of(w));
-    K3_SYM_CHECK_VALUE(size_of(w, 0).sym_eq(size_of(prefix_sum, 1)),
-                       "out_norm_weight.size(0) must equal prefix_sum.size(1)=", fmt(size_of(prefix_sum, 1)),
-                       " (hidden size), got ", fmt(size_of(w, 0)));
-    check_floating_weight(w, "out_norm_weight");
-    check_same_device(w, "out_norm_weight", prefix_sum);
-  } else {
-    TORCH_CHECK_VALUE(!out_norm_eps.has_value(), "out_norm_eps needs out_norm_weight (there is no output norm "
-                      "without it), got out_norm_eps=", out_norm_eps.value_or(0.0), " and out_norm_weight=None");
-  }
-  if (out_norm_eps.has_value()) {
-    check_eps(*out_norm_eps, "out_norm_eps");
-  }
+  raise(fused_attn_res_rules<Symbolic>(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                       num_valid_blocks, eps, block_write_idx, out_norm_weight, out_norm_eps));
 }
 
 }  // namespace k3_ops

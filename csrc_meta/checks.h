@@ -1,33 +1,53 @@
 // Argument checks for the kimi_k3 ops, written once.
 //
-// Two callers share these functions:
-//   * the Meta kernels in meta_kernels.cpp (trace time: FakeTensor, torch.compile, torch.export), where
-//     sizes may be symbolic, and
-//   * every eager kernel (CPU reference, CUDA / PrivateUse1 Triton), through the pybind functions in
-//     python_module.cpp, which the Python registrations call before they write anything.
-// So eager calls and traced calls reject exactly the same inputs with exactly the same message.
-//
-// Every message names the argument, the rule and the actual value. Sizes are compared as SymInts;
-// where a comparison would need a data-dependent guard (unbacked token counts under
-// torch._dynamo.mark_unbacked) `expect_true` turns it into a deferred runtime assert instead.
+// Every rule lives in one template (checks.cpp), instantiated twice:
+//   * Symbolic, for the Meta kernels in library.cpp (trace time: FakeTensor, torch.compile, torch.export),
+//     where sizes may be SymInts. A size rule that would need a data-dependent guard (unbacked token counts
+//     under torch._dynamo.mark_unbacked) becomes a deferred runtime assert through `expect_true`. A violation
+//     raises through TORCH_CHECK_VALUE / TORCH_CHECK_TYPE (ValueError / TypeError in Python).
+//   * Concrete, for every eager kernel (CPU reference, CUDA / PrivateUse1 Triton), through the pybind
+//     functions in python_module.cpp, which the Python registrations call before they write anything. Sizes
+//     are plain int64 and a violation is *returned* (no C++ exception, no SymInt, no c10::str), and Python
+//     raises it: on the H200's torch 2.11 build the throwing path segfaulted inside the extension.
+// So eager calls and traced calls reject exactly the same inputs with exactly the same message, which names
+// the argument, the rule and the actual value.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <optional>
+#include <string>
+
 namespace k3_ops {
 
-// Shared by all three ops: shapes, dtypes, devices of the forward inputs, the valid-block count and eps.
+// The first rule an argument list breaks: TypeError (wrong dtype) or ValueError (everything else).
+struct Violation {
+  bool type_error;
+  std::string message;
+};
+using Verdict = std::optional<Violation>;
+
+// Eager: the first violation, or nothing. Never throws for bad arguments.
+Verdict attn_res_violation(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
+                           const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks,
+                           double eps);
+Verdict attn_res_backward_violation(const at::Tensor& grad_out, const at::Tensor& prefix_sum,
+                                    const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                    const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps);
+Verdict fused_attn_res_violation(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                 const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                 const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                 int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                 c10::optional<double> out_norm_eps);
+
+// Trace time (Meta kernels): the same rules on symbolic sizes; raise the violation.
 void check_attn_res_args(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
                          const at::Tensor& norm_weight, const at::Tensor& proj_weight,
                          int64_t num_valid_blocks, double eps);
-
-// attn_res_backward: the forward rules plus grad_out and output_mask.
 void check_attn_res_backward_args(const at::Tensor& grad_out, const at::Tensor& prefix_sum,
                                   const at::Tensor& block_residual, const at::Tensor& norm_weight,
                                   const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps);
-
-// fused_attn_res: the forward rules plus addend, block_write_idx and the optional output norm.
 void check_fused_attn_res_args(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
                                const at::Tensor& block_residual, const at::Tensor& norm_weight,
                                const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,

@@ -20,8 +20,16 @@ from . import _C, reference
 _lib = torch.library.Library("kimi_k3", "IMPL")
 
 
+def _raise(violation) -> None:
+    """Raise what a ``_C.check_*`` function returned: None (valid) or (is_type_error, message) for the first
+    rule the arguments break, the same rule and message the Meta kernel raises at trace time."""
+    if violation is not None:
+        is_type_error, message = violation
+        raise (TypeError if is_type_error else ValueError)(message)
+
+
 def _attn_res_cpu(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps):
-    _C.check_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+    _raise(_C.check_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps))
     return reference.attn_res_reference(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
 
 
@@ -29,14 +37,14 @@ _lib.impl("attn_res", _attn_res_cpu, "CPU")
 
 
 def _attn_res_cuda(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps):
-    _C.check_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+    _raise(_C.check_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps))
     from .backends import cuda  # lazy: importing k3_ops never imports triton
 
     return cuda.attn_res_forward(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
 
 
 def _attn_res_npu(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps):
-    _C.check_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+    _raise(_C.check_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps))
     from .backends import npu  # lazy: importing k3_ops never imports torch_npu or triton-ascend
 
     return npu.attn_res_forward(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
@@ -54,7 +62,7 @@ def _fused_attn_res_cpu(prefix_sum, addend, block_residual, norm_weight, proj_we
                         block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
     args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
             out_norm_weight, out_norm_eps)
-    _C.check_fused_attn_res(*args)
+    _raise(_C.check_fused_attn_res(*args))
     return reference.fused_attn_res_reference(*args)
 
 
@@ -62,7 +70,7 @@ def _fused_attn_res_cuda(prefix_sum, addend, block_residual, norm_weight, proj_w
                          block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
     args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
             out_norm_weight, out_norm_eps)
-    _C.check_fused_attn_res(*args)
+    _raise(_C.check_fused_attn_res(*args))
     from .backends import cuda  # lazy: importing k3_ops never imports triton
 
     return cuda.fused_attn_res(*args)
@@ -72,7 +80,7 @@ def _fused_attn_res_npu(prefix_sum, addend, block_residual, norm_weight, proj_we
                         block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
     args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
             out_norm_weight, out_norm_eps)
-    _C.check_fused_attn_res(*args)
+    _raise(_C.check_fused_attn_res(*args))
     from .backends import npu  # lazy: importing k3_ops never imports torch_npu or triton-ascend
 
     return npu.fused_attn_res(*args)
@@ -117,14 +125,16 @@ _lib.impl("fused_attn_res", _fused_attn_res_inplace_or_view, "ADInplaceOrView", 
 # --- attn_res_backward and autograd (issue 5) -----------------------------------------------------------
 def _attn_res_backward_cpu(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
                            output_mask):
-    _C.check_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+    _raise(_C.check_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                      num_valid_blocks, eps))
     return reference.attn_res_backward_reference(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
                                                  num_valid_blocks, eps, output_mask)
 
 
 def _attn_res_backward_cuda(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
                             output_mask):
-    _C.check_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+    _raise(_C.check_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                      num_valid_blocks, eps))
     from .backends import cuda  # lazy: importing k3_ops never imports triton
 
     return cuda.attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks,
@@ -133,7 +143,8 @@ def _attn_res_backward_cuda(grad_out, prefix_sum, block_residual, norm_weight, p
 
 def _attn_res_backward_npu(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
                            output_mask):
-    _C.check_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+    _raise(_C.check_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                      num_valid_blocks, eps))
     from .backends import npu  # lazy: importing k3_ops never imports torch_npu or triton-ascend
 
     return npu.attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks,

@@ -102,3 +102,19 @@ def test_device_mismatch():
     args["block_residual"] = args["block_residual"].to("meta")
     with pytest.raises(ValueError, match=re.escape("block_residual must be on prefix_sum's device (cpu), got meta")):
         _call(args)
+
+
+def test_eager_checks_return_the_violation_instead_of_throwing():
+    """The eager checks hand the first broken rule back to Python (no C++ exception crosses the extension
+    boundary; see csrc_meta/checks.h): None for valid arguments, (is_type_error, message) otherwise."""
+    from k3_ops import _C
+
+    args = BASE.make("cpu")
+    assert _C.check_attn_res(**{k: args[k] for k in ("prefix_sum", "block_residual", "norm_weight", "proj_weight",
+                                                     "num_valid_blocks", "eps")}) is None
+    bad = dict(args, num_valid_blocks=9)
+    assert _C.check_attn_res(bad["prefix_sum"], bad["block_residual"], bad["norm_weight"], bad["proj_weight"], 9,
+                             bad["eps"]) == (False, "num_valid_blocks must be in [0, block_residual.size(1)=8], got 9")
+    as_int = args["prefix_sum"].to(torch.int64)
+    verdict = _C.check_attn_res(as_int, args["block_residual"], args["norm_weight"], args["proj_weight"], 3, 1e-6)
+    assert verdict is not None and verdict[0] is True and "got torch.int64" in verdict[1]
