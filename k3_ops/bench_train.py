@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.bwd_configs and is_cuda:
         from .backends.cuda import BackwardConfig
 
-        bwd_configs = {name: BackwardConfig(**kw) for name, kw in json.loads(args.bwd_configs).items()}
+        text = Path(args.bwd_configs[1:]).read_text() if args.bwd_configs.startswith("@") else args.bwd_configs
+        bwd_configs = {name: BackwardConfig(**kw) for name, kw in json.loads(text).items()}
     env = environment(device)
     result: dict = {"environment": env, "dtype": args.dtype, "hidden": args.hidden, "capacity": args.capacity,
                     "rows": []}
@@ -206,7 +207,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", default=None, help="comma list of T")
     p.add_argument("--layouts", default="token", help="comma list of token / block")
     p.add_argument("--bwd-configs", default=None,
-                   help='extra backward-only columns, JSON: {"name": {"programs_per_sm": 4, "tile_elems": 4096}}')
+                   help='extra backward-only columns, JSON: {"name": {"programs_per_sm": 4, "tile_elems": 4096}} '
+                        'or @file.json')
     p.add_argument("--rep", type=int, default=50, help="milliseconds of timed repetitions per measurement")
     p.add_argument("--out", default="bench_out/train.json", help="JSON file for the results")
     return p

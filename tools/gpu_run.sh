@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build k3_ops in place on a GPU machine and run the named stages (stages after build need the same
 # shell, so name them in one call: tools/gpu_run.sh build tests bench); used for the H200 runs recorded in
-# docs/benchmarks.md. Stages: build, tests, bench, tune, main, train, fused (default: build tests bench).
+# docs/benchmarks.md. Stages: build, errors, tests, bench, tune, main, train, fused (default: build tests bench).
 # Results (logs, JSON, PNG) go to $OUT (default ./gpu_out). Extra pytest arguments: PYTEST_ARGS.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -26,6 +26,11 @@ for stage in "${stages[@]}"; do
         || { echo "pip -e failed, building in place"; $PY setup.py build_ext --inplace >>"$OUT/build.log" 2>&1; } \
         || { tail -30 "$OUT/build.log"; exit 1; }
       $PY -c "import k3_ops; print('k3_ops', k3_ops.__version__, 'ok')" || exit 1 ;;
+    errors)
+      # The bad-input path on this torch build; on a crash, a native backtrace (cuda-gdb runs host code too).
+      $PY tools/smoke_errors.py || { echo "smoke_errors failed (rc $?)"; status=1;
+        command -v cuda-gdb >/dev/null && cuda-gdb -q -batch -ex run -ex bt --args $PY tools/smoke_errors.py 2>&1 \
+          | grep -E "^#|signal|Error" | head -40; } ;;
     tests)
       timeout ${TEST_TIMEOUT:-1200} $PY -m pytest -q -ra ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -Ev "^(tests/|\.|s)+[ .sxEF]*\[ *[0-9]+%\]$" | tail -60
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

@@ -147,3 +147,32 @@ def sweep_fused_p0() -> None:
     for st in (2, 4, 5):
         ptx, shared = rows(prefetch=0, num_stages=st)
         print(f"plain w4 p0 s{st}: {ptxas_v(ptx)} shared={shared}")
+
+
+def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=True, maxnreg=None):
+    """The backward gradient kernel (all outputs), as the CUDA policy launches it."""
+    from k3_ops.kernels import attn_res_bwd
+
+    fn = attn_res_bwd.attn_res_bwd_kernel
+    sig = {"gy_ptr": f"*{dtype}", "prefix_ptr": f"*{dtype}", "blocks_ptr": f"*{dtype}", "nw_ptr": "*fp32",
+           "pw_ptr": "*fp32", "gp_ptr": f"*{dtype}", "gb_ptr": f"*{dtype}", "ws_ptr": "*fp64" if acc64 else "*fp32",
+           "eps": "fp32"}
+    for n in ("T", "K", "C", "H", "tokens_per_prog", "stride_gyt", "stride_pt", "stride_ph", "stride_bt",
+              "stride_bc", "stride_bh", "stride_gpt", "stride_gbt", "stride_gbc"):
+        sig[n] = "i32"
+    const = dict(BLOCK_H=max(16, tile // k_pad), K_PAD=k_pad, VEC=8 if dtype != "fp32" else 4, H_STRIDED=False,
+                 WRITE_PREFIX=True, WRITE_BLOCKS=True, COMPUTE_DW=True, ACC64=acc64, DF=False, NUM_STAGES=num_stages)
+    for n in const:
+        sig[n] = "constexpr"
+    src = _source(fn, sig, const)
+    opts = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = triton.compile(src, target=TARGET, options=opts)
+    return k.asm["ptx"], k.metadata.shared
+
+
+def sweep_bwd() -> None:
+    for kw in [dict(), dict(num_stages=2), dict(num_stages=3), dict(tile=2048, num_warps=8, num_stages=2),
+               dict(tile=2048, num_warps=8, num_stages=3), dict(tile=8192, num_warps=16, num_stages=2),
+               dict(k_pad=2, num_stages=2), dict(k_pad=2, tile=2048, num_warps=8, num_stages=3)]:
+        ptx, shared = bwd(**kw)
+        print(f"bwd {kw}: {ptxas_v(ptx)} shared={shared}")

@@ -40,6 +40,7 @@ class BackwardPlan:
     df: the same statistics and softmax backward in double-float FP32 arithmetic (devices without FP64); the
         weight gradient then accumulates in FP32. Neither: plain FP32.
     launch_options: extra launch keyword arguments (``num_warps`` on CUDA, ``multibuffer`` under triton-ascend).
+    num_stages: software-pipelining depth of the kernel's two chunk loops (1: none).
     """
 
     num_programs: int
@@ -48,6 +49,7 @@ class BackwardPlan:
     acc64: bool
     df: bool = False
     launch_options: tuple[tuple[str, object], ...] = field(default=())
+    num_stages: int = 1
 
 
 def trivial_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
@@ -111,7 +113,7 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
         blocks.stride(2), H // vec, (C * H) // vec, H // vec,
         BLOCK_H=plan.block_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, WRITE_PREFIX=want_prefix,
         WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64, DF=plan.df and not plan.acc64,
-        **dict(plan.launch_options))
+        NUM_STAGES=plan.num_stages, **dict(plan.launch_options))
     if want_w:
         block = min(REDUCE_BLOCK_H, next_power_of_2(H))
         _bwd.attn_res_bwd_dw_reduce_kernel[(triton.cdiv(H, block),)](

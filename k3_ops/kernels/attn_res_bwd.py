@@ -179,7 +179,7 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
                         stride_gpt, stride_gbt, stride_gbc,
                         BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
                         WRITE_PREFIX: tl.constexpr, WRITE_BLOCKS: tl.constexpr, COMPUTE_DW: tl.constexpr,
-                        ACC64: tl.constexpr, DF: tl.constexpr):
+                        ACC64: tl.constexpr, DF: tl.constexpr, NUM_STAGES: tl.constexpr = 1):
     # Requires K >= 1 (K = 0 is an exact copy handled by the launch policy without a launch).
     # Outputs are contiguous: grad_prefix [T, H] (stride_gpt), grad_blocks [T, C, H] (stride_gbt, stride_gbc),
     # workspace [num_programs, H] (fp64 if ACC64 else fp32; row pid belongs to this program alone).
@@ -195,6 +195,11 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
     # _df_softmax_backward. Neither flag: plain FP32 (the eager formula's error size).
     # Addressing and the chunk loops' arithmetic are written out inline (nested @triton.jit helpers run at most
     # once per token): the Triton interpreter pays milliseconds per nested call, which would dominate CI time.
+    #
+    # Speed: both chunk loops are latency-bound unless loads run ahead of the math, so (1) pass 1 accumulates
+    # its statistics element-wise in [K_PAD, BLOCK_H] tiles and reduces across threads once per token, not once
+    # per chunk, and (2) both loops are software-pipelined (NUM_STAGES > 1: Triton stages the next chunks' loads
+    # through shared memory while this chunk is reduced; 1 = no pipelining, e.g. under triton-ascend).
     pid = tl.program_id(0)
     t_begin = pid * tokens_per_prog
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
@@ -209,6 +214,7 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             tl.store(ws_row + cols, tl.zeros([BLOCK_H], dtype=ws_ptr.dtype.element_ty), mask=cols < H)
+        tl.debug_barrier()  # the zeros are visible to every thread before the first token reads them back
     for t in range(t_begin, t_end):
         t64 = tl.cast(t, tl.int64)  # tl.cast, not .to: the interpreter's loop variable is a Python int
         gy_row = gy_ptr + t64 * stride_gyt * VEC
@@ -216,9 +222,9 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
         blk_tile = blocks_ptr + t64 * stride_bt * VEC + blk_rows
         # Pass 1: per-candidate sum(v^2), <v, w> and <v, gy>, chunk by chunk. evict_last: pass 2 re-reads these.
         if ACC64:
-            ss = tl.zeros([K_PAD], dtype=tl.float64)
-            d = tl.zeros([K_PAD], dtype=tl.float64)
-            g = tl.zeros([K_PAD], dtype=tl.float64)
+            ss = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float64)
+            d = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float64)
+            g = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float64)
         elif DF:
             ss_hi = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
             ss_lo = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
@@ -227,10 +233,10 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
             g_hi = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
             g_lo = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
         else:
-            ss = tl.zeros([K_PAD], dtype=tl.float32)
-            d = tl.zeros([K_PAD], dtype=tl.float32)
-            g = tl.zeros([K_PAD], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
+            ss = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+            d = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+            g = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+        for h0 in tl.range(0, H, BLOCK_H, num_stages=NUM_STAGES):
             cols = h0 + tl.arange(0, BLOCK_H)
             hmask = cols < H
             # Pass 1 keeps the chunk in L2 (evict_last): pass 2 reads it again.
@@ -240,10 +246,11 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
             w = (tl.load(nw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
                  * tl.load(pw_ptr + cols, mask=hmask, other=0.0).to(tl.float32))  # folded in FP32, as the forward
             if ACC64:
+                # Exact FP64 products (of bf16/fp16/fp32 values), FP64 sums: the statistics carry no FP32 error.
                 xd = x.to(tl.float64)
-                ss += tl.sum(xd * xd, axis=1)
-                d += tl.sum(xd * w.to(tl.float64)[None, :], axis=1)
-                g += tl.sum(xd * gy.to(tl.float64)[None, :], axis=1)
+                ss += xd * xd
+                d += xd * w.to(tl.float64)[None, :]
+                g += xd * gy.to(tl.float64)[None, :]
             elif DF:
                 # Element-wise TwoSum into (hi, lo) accumulators, written out (no helper call per chunk).
                 v = x * x
@@ -262,9 +269,14 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
                 g_lo += (g_hi - (t_ - b_)) + (v - b_)
                 g_hi = t_
             else:
-                ss += tl.sum(x * x, axis=1)
-                d += tl.sum(x * w[None, :], axis=1)
-                g += tl.sum(x * gy[None, :], axis=1)
+                ss += x * x
+                d += x * w[None, :]
+                g += x * gy[None, :]
+        if not DF:
+            # One cross-thread reduction per token (the DF path does its own fixed-order TwoSum tree below).
+            ss = tl.sum(ss, axis=1)
+            d = tl.sum(d, axis=1)
+            g = tl.sum(g, axis=1)
         # Softmax and its backward on K_PAD scalars (FP64 under ACC64: IEEE sqrt and division; FP32: correctly
         # rounded sqrt / division, as in the forward's score).
         if DF:
@@ -289,9 +301,12 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
         # Every row of this [K_PAD, 1] pointer tile is grad_prefix's row t; only row K's lanes are unmasked.
         gp_tile = gp_ptr + t64 * stride_gpt * VEC + r2 * 0
         # Pass 2: re-read each chunk; write dv (and zeros past K) and fold this token into the dw row.
-        for h0 in range(0, H, BLOCK_H):
+        for h0 in tl.range(0, H, BLOCK_H, num_stages=NUM_STAGES):
             cols = h0 + tl.arange(0, BLOCK_H)
             hmask = cols < H
+            if COMPUTE_DW:
+                # Issued first: this row chunk was last written by the previous token (a barrier ago).
+                acc = tl.load(ws_row + cols, mask=hmask, other=0.0)
             x = _load_candidates(blk_tile, pre_row, cols, hmask, is_blk, r2 == K, stride_ph, stride_bh, H_STRIDED,
                                  "evict_first")
             if WRITE_PREFIX or WRITE_BLOCKS:
@@ -303,15 +318,18 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
                     tl.store(gp_tile + cols[None, :], dv.to(gp_ptr.dtype.element_ty), mask=(r2 == K) & hmask[None, :])
                 if WRITE_BLOCKS:
                     tl.store(gb_tile + cols[None, :], dv.to(gb_ptr.dtype.element_ty), mask=is_blk & hmask[None, :])
-                    # Slots K..C-1 get exact zeros in the same pass (they were never read).
-                    zeros = tl.zeros([K_PAD, BLOCK_H], dtype=gb_ptr.dtype.element_ty)
-                    for z0 in range(K, C, K_PAD):
-                        zr = z0 + r2
-                        tl.store(gb_tile + tl.cast(z0, tl.int64) * stride_gbc * VEC + cols[None, :], zeros,
-                                 mask=(zr < C) & hmask[None, :])
             if COMPUTE_DW:
-                acc = tl.load(ws_row + cols, mask=hmask, other=0.0)
                 tl.store(ws_row + cols, acc + tl.sum(a[:, None] * x, axis=0).to(ws_ptr.dtype.element_ty), mask=hmask)
+        if WRITE_BLOCKS:
+            # Slots K..C-1 get exact zeros (they were never read). A loop of its own: a loop nested in the chunk
+            # loop above would keep Triton from software-pipelining that loop (only innermost loops are).
+            zeros = tl.zeros([K_PAD, BLOCK_H], dtype=gb_ptr.dtype.element_ty)
+            for z0 in range(K, C, K_PAD):
+                zr = z0 + r2
+                for h0 in range(0, H, BLOCK_H):
+                    cols = h0 + tl.arange(0, BLOCK_H)
+                    tl.store(gb_tile + tl.cast(z0, tl.int64) * stride_gbc * VEC + cols[None, :], zeros,
+                             mask=(zr < C) & (cols < H)[None, :])
         if COMPUTE_DW:
             # The dw row is read back by the next token: make this token's stores visible to every thread of
             # the program whatever layouts the compiler picked for the load and the store (one barrier per token;
