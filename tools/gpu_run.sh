@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build k3_ops in place on a GPU machine and run the named stages (stages after build need the same
 # shell, so name them in one call: tools/gpu_run.sh build tests bench); used for the H200 runs recorded in
-# docs/benchmarks.md. Stages: build, errors, tests, bench, tune, main, train, fused (default: build tests bench).
+# docs/benchmarks.md. Stages: build, errors, ncu, testfiles, tests, bench, tune, main, train, fused (default: build tests bench).
 # Results (logs, JSON, PNG) go to $OUT (default ./gpu_out). Extra pytest arguments: PYTEST_ARGS.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -29,8 +29,20 @@ for stage in "${stages[@]}"; do
     errors)
       # The bad-input path on this torch build; on a crash, a native backtrace (cuda-gdb runs host code too).
       $PY tools/smoke_errors.py || { echo "smoke_errors failed (rc $?)"; status=1;
-        command -v cuda-gdb >/dev/null && cuda-gdb -q -batch -ex run -ex bt --args $PY tools/smoke_errors.py 2>&1 \
-          | grep -E "^#|signal|Error" | head -40; } ;;
+        command -v cuda-gdb >/dev/null && cuda-gdb -q -batch -ex run -ex bt --args $PY tools/smoke_errors.py \
+          >"$OUT/gdb.txt" 2>&1; grep -E "^#|signal" "$OUT/gdb.txt" | head -16 | cut -c1-300; } ;;
+    ncu)
+      # Hardware counters of one backward launch (METHOD.md: leave the clocks alone).
+      ncu --clock-control none --profile-from-start off -k regex:attn_res_bwd_kernel -c 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        --section LaunchStats --section SchedulerStats $PY tools/profile_bwd.py >"$OUT/ncu.txt" 2>&1 || status=1
+      grep -vE "^==PROF==|^ *-+ *$" "$OUT/ncu.txt" | grep -E "Throughput|Duration|Hit|Occupancy|Stall|Warp Cycles|Registers|Shared|Block Limit|Issued|Eligible|Active Warps|L2|DRAM|One or More" | head -60 ;;
+    testfiles)
+      # One pytest process per file (a crash loses one file, not the suite); one log, one summary line per file.
+      for f in ${TEST_FILES:-tests/test_*.py}; do
+        timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -ra -p no:cacheprovider "$f" >>"$OUT/pytest.log" 2>&1
+        rc=$?; echo "$f rc=$rc: $(tail -1 "$OUT/pytest.log")"; [ $rc -eq 0 ] || status=1
+      done ;;
     tests)
       timeout ${TEST_TIMEOUT:-1200} $PY -m pytest -q -ra ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -Ev "^(tests/|\.|s)+[ .sxEF]*\[ *[0-9]+%\]$" | tail -60
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

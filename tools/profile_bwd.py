@@ -1,0 +1,19 @@
+"""One backward launch at a training shape, for ``ncu`` (tools/gpu_run.sh stage ``ncu``): compiles first, then
+runs the measured launch between cudaProfilerStart/Stop so ncu can skip the compile-time launches."""
+import torch
+
+import k3_ops  # noqa: F401
+from k3_ops.backends import cuda
+
+T, K, C, H = 4096, 8, 8, 7168
+g = torch.Generator(device="cuda").manual_seed(0)
+p = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+b = torch.randn(T, C, H, device="cuda", dtype=torch.bfloat16, generator=g)
+gy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+w = torch.ones(H, device="cuda")
+cuda.attn_res_backward(gy, p, b, w, w, K, 1e-6, [True, True, True])
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStart()
+cuda.attn_res_backward(gy, p, b, w, w, K, 1e-6, [True, True, True])
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStop()
