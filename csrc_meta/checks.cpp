@@ -6,24 +6,30 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
-#include <sstream>
+#include <cstdio>
 #include <string>
 
 namespace k3_ops {
 namespace {
 
-// ---- Message formatting: plain ostream, so both instantiations print numbers identically ("1e-06", "nan").
-inline void put(std::ostringstream&) {}
-template <typename T, typename... Rest>
-void put(std::ostringstream& os, const T& first, const Rest&... rest) {
-  os << first;
-  put(os, rest...);
+// ---- Message formatting, without iostreams: on the H200's torch 2.11 build, `ostream << long` inside this
+// extension segfaulted (cuda-gdb: std::basic_ostream::_M_insert<long> reaching a bogus locale facet), which is
+// also what c10::str does. Integers go through std::to_string, doubles through snprintf("%g"), which prints
+// what ostream's default formatting prints ("1e-06", "nan", "inf", "0").
+inline std::string piece(const std::string& s) { return s; }
+inline std::string piece(const char* s) { return s; }
+inline std::string piece(int64_t v) { return std::to_string(v); }
+inline std::string piece(int v) { return std::to_string(v); }
+inline std::string piece(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
 }
 template <typename... Args>
 std::string cat(const Args&... args) {
-  std::ostringstream os;
-  put(os, args...);
-  return os.str();
+  std::string out;
+  ((out += piece(args)), ...);
+  return out;
 }
 
 // A rule: when `ok` is false, the op's first violation is this message.

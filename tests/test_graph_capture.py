@@ -6,8 +6,9 @@ graph pool), compile the model (fullgraph, dynamic, unbacked token dim), run it 
 stream, capture one step per static batch size into a graph, then per step copy fresh inputs into the
 static input buffer and replay.
 
-Checked per replay: the output equals eager on the same input (bf16 tolerance: Inductor fuses the norms and
-linears of the stack differently from eager; the kimi_k3 kernels are the same), the bank holds the
+Checked per replay: the output and the bank equal the same compiled call run without a graph, bit for bit,
+and eager on the same input within bf16 noise (Inductor fuses the norms and adds of the stack with its own
+rounding points; the kimi_k3 kernels are the same), the bank holds the
 snapshots of *this* input (the in-place writes are part of the graph), the NaN-poisoned spare capacity is
 still NaN (never written), the bank storage was never reallocated, and neither capture nor replay performs
 a host synchronisation (``set_sync_debug_mode("error")`` turns any into an error).
@@ -92,13 +93,24 @@ def _capture_and_replay(device: torch.device, backend_module, graph_cls, graph_c
                 static_x.copy_(x)
                 graph.replay()
             backend_module.synchronize()
+            what = f"T={T} replay {i}"
+            got = static_out.clone()
+            got_bank_replay = model.bank.view(T).clone()
+            # The capture property, exactly: the replay equals the same compiled code run without a graph on the
+            # same static input, bit for bit (same kernels, same launch plans, nothing stale in the graph).
+            with torch.no_grad():
+                uncaptured = compiled(static_x)
+            assert torch.equal(got, uncaptured), f"{what}: replay != the same compiled call run without a graph"
+            assert torch.equal(got_bank_replay, model.bank.view(T)), f"{what}: replay's bank != uncaptured bank"
+            # And eager agrees within bf16 noise. Not bit for bit: Inductor fuses the unfused variant's torch
+            # adds and RMSNorms with its own rounding points, and 1-ulp bf16 differences in the hidden state
+            # move the softmax weights of later layers (H200: up to 0.12 absolute in 0.3 % of the elements).
             with torch.no_grad():
                 want = eager(x)
-            what = f"T={T} replay {i}"
-            torch.testing.assert_close(static_out, want, atol=5e-2, rtol=5e-2, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(got, want, atol=0.25, rtol=5e-2, msg=lambda m: f"{what}: {m}")
             got_bank, want_bank = model.bank.view(T), eager.bank.view(T)
             used = eager.bank.num_valid_blocks
-            torch.testing.assert_close(got_bank[:, :used], want_bank[:, :used], atol=5e-2, rtol=5e-2,
+            torch.testing.assert_close(got_bank[:, :used], want_bank[:, :used], atol=0.25, rtol=5e-2,
                                        msg=lambda m: f"{what}, bank: {m}")
             assert got_bank[:, spare].isnan().all(), f"{what}: the spare slot was written"
             assert model.bank.storage.data_ptr() == storage_ptr, f"{what}: the bank storage was reallocated"

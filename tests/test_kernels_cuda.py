@@ -183,8 +183,9 @@ def test_cuda_graph_replay(T, K):
         static_out = k3_ops.attn_res(**static)
     for seed in (1, 2, 3):
         fresh = Sample(T=T, K=K, cap=cap, H=H).make(device="cuda", seed=seed)
-        static["prefix_sum"].copy_(fresh["prefix_sum"])
-        static["block_residual"].copy_(fresh["block_residual"])
+        for name, value in fresh.items():  # every tensor input, the weights included, into the static buffers
+            if isinstance(value, torch.Tensor):
+                static[name].copy_(value)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, k3_ops.attn_res(**fresh)), f"replay with seed {seed} differs from eager"

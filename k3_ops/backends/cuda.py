@@ -487,14 +487,16 @@ class BackwardConfig:
         K_PAD 2..32, no spills (one 16-warp program resident per SM) and 16-byte loads (8 bf16 per thread).
     acc64: FP64 per-token statistics / softmax backward / dw accumulation (the accuracy contract's margin; see
         kernels/attn_res_bwd.py). False is plain FP32: cheaper, but its error is the eager formula's size.
-    num_stages: software-pipelining depth of both chunk loops (shared-memory stages; 1 = none). With the
-        defaults (16 warps, 4096-element tiles, 3 stages) ptxas reports 128 registers, no spills, ~34 KB of
-        shared memory for K_PAD 16: one program per SM, hence programs_per_sm = 1.
+    num_stages: software-pipelining depth of both chunk loops (shared-memory stages; 1 = none).
+
+    Defaults: the fastest of six configurations timed on the H200 (docs/benchmarks.md, "Training"): 8 warps,
+    2048-element tiles, 3 stages, one program per SM (ptxas: 175 registers, no spills, for K_PAD 16). The kernel
+    is still far from the bandwidth target; ncu shows it L1/shared-memory bound, see docs/benchmarks.md.
     """
 
     programs_per_sm: int = 1
-    tile_elems: int = 4096
-    num_warps: int = 16
+    tile_elems: int = 2048
+    num_warps: int = 8
     acc64: bool = True
     num_stages: int = 3
 
