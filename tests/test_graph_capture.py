@@ -101,7 +101,9 @@ def _capture_and_replay(device: torch.device, backend_module, graph_cls, graph_c
             with torch.no_grad():
                 uncaptured = compiled(static_x)
             assert torch.equal(got, uncaptured), f"{what}: replay != the same compiled call run without a graph"
-            assert torch.equal(got_bank_replay, model.bank.view(T)), f"{what}: replay's bank != uncaptured bank"
+            # Bits, not values: the spare slot holds NaN, and NaN != NaN.
+            assert torch.equal(got_bank_replay.view(torch.int16), model.bank.view(T).view(torch.int16)), (
+                f"{what}: replay's bank != uncaptured bank")
             # And eager agrees within bf16 noise. Not bit for bit: Inductor fuses the unfused variant's torch
             # adds and RMSNorms with its own rounding points, and 1-ulp bf16 differences in the hidden state
             # move the softmax weights of later layers (H200: up to 0.12 absolute in 0.3 % of the elements).
