@@ -186,11 +186,16 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     # and current row need ~255 registers per thread, so exactly two 4-warp programs fit an SM; more warps per
     # program only spread the same registers thinner. The K bucket 16 holds K = 9..16; choose_config still
     # checks the actual K + 1 <= SPLIT_MAX_CANDIDATES.
+    #
+    # The rows path stages its candidate rows through shared memory (prefetch 0: Triton's pipeliner, cp.async,
+    # 3 stages) rather than holding the next row in registers (prefetch 1). Measured in one H200 run
+    # (docs/benchmarks.md, "Tuning"): 0.919 / 0.826 of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 /
+    # 0.79, within 6 % either way at T = 128..1024. What decides it below 1024 is the fused serving op, which
+    # must use this same plan (bit-exact mix): with prefetch 1 its extra live rows spill ~1 KB per thread
+    # (tools/ptxas_info.py) and it ran 3x slower than the unfused sequence; pipelined, it spills <= 96 bytes.
     if t_bucket <= 64 and k_bucket <= SPLIT_MAX_CANDIDATES:
         return LaunchConfig(kernel="split", chunk=512)
-    if t_bucket >= 1024:
-        return LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2, prefetch=0, num_stages=3)
-    return LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2)
+    return LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2, prefetch=0, num_stages=3)
 
 
 LAUNCH_TABLE: dict[tuple[int, int], LaunchConfig] = {
