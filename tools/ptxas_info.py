@@ -3,10 +3,11 @@
 Compiles the Triton kernels ahead of time (``triton.compile`` for target cuda:90) and runs the ``ptxas`` that
 ships with Triton with ``-v`` on the PTX, so register pressure of a launch configuration can be read on any
 machine (the H200 time is then spent only on timings). Triton versions differ between machines; treat the
-figures as close, not exact. Usage: python tools/ptxas_info.py
+figures as close, not exact. Usage: python tools/ptxas_info.py [words that select cases, e.g. fused default]
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -30,7 +31,7 @@ def rows_signature(dtype: str, fused: dict) -> tuple[dict, dict]:
     for s in ("stride_pt", "stride_ph", "stride_bt", "stride_bc", "stride_bh", "stride_ot"):
         sig[s] = "i32"
     const = {}
-    for name in ("BLOCK_H", "VEC", "H_STRIDED", "ACC64", "PREFETCH", "NUM_STAGES", "W_RELOAD"):
+    for name in ("BLOCK_H", "VEC", "H_STRIDED", "ACC64", "PREFETCH", "NUM_STAGES"):
         sig[name] = "constexpr"
     if fused:
         sig.update({"addend_ptr": f"*{dtype}" if fused.get("HAS_ADDEND") else "constexpr", "newp_ptr": f"*{dtype}",
@@ -62,91 +63,39 @@ def _source(fn, sig: dict, const: dict) -> ASTSource:
     return ASTSource(fn, sig, constexprs, attrs)
 
 
-def ptxas_v(ptx: str, maxnreg: int | None = None) -> str:
+def resources(ptx: str) -> dict:
+    """ptxas -v's report for one kernel: registers, stack frame and spill bytes (-1 where not reported)."""
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
-        open(src, "w").write(ptx)
-        cmd = [PTXAS, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")]
-        if maxnreg:
-            cmd += ["--maxrregcount", str(maxnreg)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        text = r.stdout + r.stderr
-    regs = re.search(r"Used (\d+) registers", text)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    stack = re.search(r"(\d+) bytes stack frame", text)
-    return (f"regs={regs.group(1) if regs else '?'} stack={stack.group(1) if stack else '?'} "
-            f"spill st/ld={spill.group(1) + '/' + spill.group(2) if spill else '?'}")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    text = r.stdout + r.stderr
+    if r.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {text}")
+
+    def grab(pattern: str, group: int = 1) -> int:
+        m = re.search(pattern, text)
+        return int(m.group(group)) if m else -1
+
+    spill = r"(\d+) bytes spill stores, (\d+) bytes spill loads"
+    return {"regs": grab(r"Used (\d+) registers"), "stack": grab(r"(\d+) bytes stack frame"),
+            "spill_stores": grab(spill, 1), "spill_loads": grab(spill, 2)}
 
 
-def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fused=None, acc64=False, reload=False,
-         maxnreg=None):
+def ptxas_v(ptx: str) -> str:
+    r = resources(ptx)
+    return f"regs={r['regs']} stack={r['stack']} spill st/ld={r['spill_stores']}/{r['spill_loads']}"
+
+
+def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fused=None, acc64=False, maxnreg=None):
     sig, const = rows_signature(dtype, fused or {})
     const.update(BLOCK_H=block_h, VEC=8 if dtype != "fp32" else 4, H_STRIDED=False, ACC64=acc64,
-                 PREFETCH=prefetch, NUM_STAGES=num_stages, W_RELOAD=reload)
+                 PREFETCH=prefetch, NUM_STAGES=num_stages)
     src = _source(attn_res_fwd.attn_res_rows_kernel, sig, const)
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     return k.asm["ptx"], k.metadata.shared
-
-
-def main() -> None:
-    cases = [
-        ("plain w4 p1", dict()),
-        ("plain w4 p0 s3", dict(prefetch=0, num_stages=3)),
-        ("plain w4 p2", dict(prefetch=2)),
-        ("plain w8 p1", dict(num_warps=8)),
-        ("fused add+snap w4 p1", dict(fused=dict(HAS_ADDEND=True, SNAPSHOT=True))),
-        ("fused add+snap+norm w4 p1", dict(fused=dict(HAS_ADDEND=True, SNAPSHOT=True, OUT_NORM=True))),
-        ("fused add+snap+norm w4 p0 s3", dict(prefetch=0, num_stages=3,
-                                               fused=dict(HAS_ADDEND=True, SNAPSHOT=True, OUT_NORM=True))),
-        ("fused add+snap+norm w8 p1", dict(num_warps=8, fused=dict(HAS_ADDEND=True, SNAPSHOT=True, OUT_NORM=True))),
-    ]
-    fz = dict(HAS_ADDEND=True, SNAPSHOT=True, OUT_NORM=True)
-    cases += [
-        ("plain w4 p1 R", dict(reload=True)),
-        ("plain w4 p2 R", dict(prefetch=2, reload=True)),
-        ("plain w4 p0 s3 R", dict(prefetch=0, reload=True)),
-        ("fused add+snap+norm w4 p1 R", dict(reload=True, fused=fz)),
-        ("fused add+snap+norm w4 p0 s3 R", dict(prefetch=0, reload=True, fused=fz)),
-        ("fused add+snap w4 p1 R", dict(reload=True, fused=dict(HAS_ADDEND=True, SNAPSHOT=True))),
-        ("fused snap (no addend) w4 p1 R", dict(reload=True, fused=dict(SNAPSHOT=True))),
-    ]
-    only = sys.argv[1:]
-    for name, kw in cases:
-        if only and not any(o in name for o in only):
-            continue
-        ptx, shared = rows(**kw)
-        print(f"{name:34s} {ptxas_v(ptx)} shared={shared}")
-
-
-if __name__ == "__main__":
-    main()
-
-
-def sweep_maxnreg() -> None:
-    fz = dict(HAS_ADDEND=True, SNAPSHOT=True, OUT_NORM=True)
-    for name, kw, cap in [("plain w8 p1", dict(num_warps=8), 128), ("plain w8 p2", dict(num_warps=8, prefetch=2), 128),
-                          ("plain w8 p0 s3", dict(num_warps=8, prefetch=0), 128),
-                          ("plain w8 p1 R", dict(num_warps=8, reload=True), 128),
-                          ("plain w8 p2 R", dict(num_warps=8, prefetch=2, reload=True), 128),
-                          ("fused w8 p1", dict(num_warps=8, fused=fz), 128),
-                          ("fused w8 p1 R", dict(num_warps=8, fused=fz, reload=True), 128),
-                          ("plain w16 p2", dict(num_warps=16, prefetch=2), 64),
-                          ("plain w16 p2 R", dict(num_warps=16, prefetch=2, reload=True), 64),
-                          ("plain w16 p1", dict(num_warps=16, prefetch=1), 64)]:
-        ptx, shared = rows(**kw, maxnreg=cap)
-        print(f"{name:34s} cap {cap}: {ptxas_v(ptx)} shared={shared}")
-
-
-def sweep_fused_p0() -> None:
-    for name, fz in [("snap", dict(SNAPSHOT=True)), ("add", dict(HAS_ADDEND=True)),
-                     ("add+snap", dict(HAS_ADDEND=True, SNAPSHOT=True)), ("norm", dict(OUT_NORM=True)),
-                     ("add+snap+norm", dict(HAS_ADDEND=True, SNAPSHOT=True, OUT_NORM=True))]:
-        for st in (3, 4):
-            ptx, shared = rows(prefetch=0, num_stages=st, fused=fz, dtype="bf16")
-            print(f"fused {name:14s} w4 p0 s{st}: {ptxas_v(ptx)} shared={shared}")
-    for st in (2, 4, 5):
-        ptx, shared = rows(prefetch=0, num_stages=st)
-        print(f"plain w4 p0 s{st}: {ptxas_v(ptx)} shared={shared}")
 
 
 def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=True, maxnreg=None):
@@ -170,9 +119,59 @@ def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=Tru
     return k.asm["ptx"], k.metadata.shared
 
 
-def sweep_bwd() -> None:
-    for kw in [dict(), dict(num_stages=2), dict(num_stages=3), dict(tile=2048, num_warps=8, num_stages=2),
-               dict(tile=2048, num_warps=8, num_stages=3), dict(tile=8192, num_warps=16, num_stages=2),
-               dict(k_pad=2, num_stages=2), dict(k_pad=2, tile=2048, num_warps=8, num_stages=3)]:
-        ptx, shared = bwd(**kw)
-        print(f"bwd {kw}: {ptxas_v(ptx)} shared={shared}")
+FUSED_ALL = dict(HAS_ADDEND=True, SNAPSHOT=True, OUT_NORM=True)
+FORWARD_CASES = [
+    ("plain w4 p1", dict()),
+    ("plain w4 p2", dict(prefetch=2)),
+    ("plain w4 p0 s3 (default)", dict(prefetch=0, num_stages=3)),
+    ("plain w4 p0 s4", dict(prefetch=0, num_stages=4)),
+    ("plain w8 p1", dict(num_warps=8)),
+    ("fused add+snap+norm w4 p1", dict(fused=FUSED_ALL)),
+    ("fused add+snap+norm w4 p0 s3", dict(prefetch=0, num_stages=3, fused=FUSED_ALL)),
+    ("fused snap w4 p0 s3", dict(prefetch=0, num_stages=3, fused=dict(SNAPSHOT=True))),
+    ("fused add+snap+norm w8 p1", dict(num_warps=8, fused=FUSED_ALL)),
+]
+BACKWARD_CASES = [
+    ("K_PAD 16, 16 warps, tile 4096, 1 stage", dict()),
+    ("K_PAD 16, 16 warps, tile 4096, 3 stages", dict(num_stages=3)),
+    ("K_PAD 16, 8 warps, tile 2048, 3 stages (default)", dict(tile=2048, num_warps=8, num_stages=3)),
+    ("K_PAD 2, 8 warps, tile 2048, 3 stages (default)", dict(k_pad=2, tile=2048, num_warps=8, num_stages=3)),
+]
+
+
+def default_cases() -> list[tuple[str, str, dict]]:
+    """The plans the CUDA policy launches by default (read from the live launch table and backward config)."""
+    from k3_ops.backends import cuda
+
+    plan = cuda.LAUNCH_TABLE[(cuda.bucket(16384, cuda.T_BUCKETS), cuda.bucket(8, cuda.K_BUCKETS))]
+    fwd = dict(num_warps=plan.num_warps or 4, prefetch=plan.prefetch, num_stages=plan.num_stages)
+    cfg = cuda.BACKWARD_CONFIG
+    bwd_kw = dict(tile=cfg.tile_elems, num_warps=cfg.num_warps, num_stages=cfg.num_stages, acc64=cfg.acc64)
+    return [("forward-default", "fwd", fwd), ("forward-default-fused", "fwd", dict(fwd, fused=FUSED_ALL)),
+            ("backward-default-kpad16", "bwd", dict(bwd_kw, k_pad=16)),
+            ("backward-default-kpad2", "bwd", dict(bwd_kw, k_pad=2))]
+
+
+def main() -> None:
+    """Print every case whose name contains one of the command-line words (all cases without any);
+    ``--json`` prints {name: resources} for the default plans instead (used by tests/test_register_budget.py)."""
+    args = sys.argv[1:]
+    if args[:1] == ["--json"]:
+        out = {}
+        for name, kind, kw in default_cases():
+            ptx = (rows if kind == "fwd" else bwd)(**kw)[0]
+            out[name] = resources(ptx)
+        print(json.dumps(out))
+        return
+    for name, kw in FORWARD_CASES:
+        if not args or any(o in name for o in args):
+            ptx, shared = rows(**kw)
+            print(f"forward  {name:46s} {ptxas_v(ptx)} shared={shared}")
+    for name, kw in BACKWARD_CASES:
+        if not args or any(o in name for o in args):
+            ptx, shared = bwd(**kw)
+            print(f"backward {name:46s} {ptxas_v(ptx)} shared={shared}")
+
+
+if __name__ == "__main__":
+    main()

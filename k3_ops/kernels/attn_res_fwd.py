@@ -77,19 +77,6 @@ def _load_folded_weight(nw_ptr, pw_ptr, cols, mask):
 
 
 @triton.jit
-def _row_weight(w, nw_ptr, pw_ptr, cols, mask, W_RELOAD: tl.constexpr):
-    # The folded weight for one more row. W_RELOAD: load it again (an L1/L2 hit, kept there by evict_last)
-    # instead of holding it live across the loop, which frees BLOCK_H / (32 * num_warps) registers per thread
-    # (64 at BLOCK_H 8192, 4 warps); same values, same arithmetic, so the same bits either way.
-    if W_RELOAD:
-        nw = tl.load(nw_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        pw = tl.load(pw_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        return nw * pw
-    else:
-        return w
-
-
-@triton.jit
 def _stats(x, w, AXIS: tl.constexpr, ACC64: tl.constexpr):
     # (sum v^2, <v, w>) along AXIS. bf16/fp16 I/O: FP32 is ample (the output rounding dominates by far).
     # fp32 I/O: the score's summation error would dominate the output error (p = softmax(s) amplifies an
@@ -253,8 +240,7 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
                          PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
                          addend_ptr=None, newp_ptr=None, onw_ptr=None, stride_at=0, stride_ah=0, stride_nt=0,
                          write_idx=0, out_eps=1.0, HAS_ADDEND: tl.constexpr = False, FUSED: tl.constexpr = False,
-                         SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False,
-                         W_RELOAD: tl.constexpr = False):
+                         SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False):
     # Persistent: program pid handles tokens pid, pid + nprog, ... as ONE continuous stream of candidate rows
     # (token-major, K + 1 rows per token), so the prefetch runs across token boundaries and the memory system
     # never waits for a new token to start; the folded weight is loaded once per program, not once per token.
@@ -267,10 +253,7 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     hmask = cols < H
-    if W_RELOAD:
-        w = 0.0  # unused: _row_weight loads the weight per row
-    else:
-        w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
+    w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
     steps = ((T - pid + nprog - 1) // nprog) * (K + 1)
     m = _acc_full([], -float("inf"), ACC64)
     l = _acc_full([], 0.0, ACC64)
@@ -283,8 +266,7 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
                                   stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC,
                                   H_STRIDED, HAS_ADDEND)
             x = xr.to(tl.float32)
-            m, l, acc = _online_update(x, _row_weight(w, nw_ptr, pw_ptr, cols, hmask, W_RELOAD), m, l, acc, H, eps,
-                                       ACC64)
+            m, l, acc = _online_update(x, w, m, l, acc, H, eps, ACC64)
             if j % (K + 1) == K:
                 if FUSED:
                     _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, pid + (j // (K + 1)) * nprog, cols, hmask,
@@ -307,8 +289,7 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
         vn = _load_step_fused(prefix_ptr, blocks_ptr, addend_ptr, pid, nprog, j + PREFETCH, steps, K, cols, hmask,
                               stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC,
                               H_STRIDED, HAS_ADDEND)
-        m, l, acc = _online_update(v.to(tl.float32), _row_weight(w, nw_ptr, pw_ptr, cols, hmask, W_RELOAD), m, l,
-                                   acc, H, eps, ACC64)
+        m, l, acc = _online_update(v.to(tl.float32), w, m, l, acc, H, eps, ACC64)
         if j % (K + 1) == K:
             # Last candidate of a token: write its row, start the next token's softmax.
             if FUSED:
