@@ -196,6 +196,14 @@ def print_table(result: dict, bw: float | None) -> None:
                 speedup = r["us"].get("compile", float("nan")) / r["us"]["k3_ops"]
                 line += f" {b:>10.1f} {r['bwd_bytes'] / (b * 1e-6) / bw:>8.3f} {speedup:>6.1f}x"
         print(line)
+    configs = list(dict.fromkeys(k for r in rows for k in r["bwd_us"] if k != "k3_ops"))
+    if bw and configs:
+        # --bwd-configs: the backward alone per launch configuration (us, fraction of copy bandwidth).
+        print(f"{'layout':<6} {'T':>6} {'K':>2} " + " ".join(f"{c + ' bwd us (ofBW)':>24}" for c in configs))
+        for r in rows:
+            print(f"{r['layout']:<6} {r['T']:>6} {r['K']:>2} " + " ".join(
+                f"{r['bwd_us'][c]:>14.1f} ({r['bwd_bytes'] / (r['bwd_us'][c] * 1e-6) / bw:.3f})"
+                if c in r["bwd_us"] else f"{'-':>24}" for c in configs))
     if bw:
         print("# MiB: peak memory of one forward + backward step beyond what existed before it, less the "
               "gradients it returns")
