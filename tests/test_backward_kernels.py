@@ -30,10 +30,13 @@ FULL = [True, True, True]
 
 
 def policy_backward(policy: str, *args, **kw):
-    """Run one launch policy's attn_res_backward (both accept CPU tensors under the interpreter)."""
-    if policy == "cuda":
+    """Run one launch policy's attn_res_backward (both accept CPU tensors under the interpreter); "cuda-rows" is
+    the CUDA policy with the streaming backward kernel (``BackwardConfig(kernel="rows")``)."""
+    if policy in ("cuda", "cuda-rows"):
         from k3_ops.backends import cuda
 
+        if policy == "cuda-rows":
+            kw = dict(kw, config=cuda.BackwardConfig(kernel="rows", num_warps=8, num_stages=3))
         return cuda.attn_res_backward(*args, **kw)
     from k3_ops.backends import npu
 
@@ -96,7 +99,7 @@ CASES = [
     Sample(T=4, K=11, cap=12, H=40, dtype=torch.float32),  # K_PAD = 16
     Sample(T=3, K=0, cap=2, H=48, dtype=torch.bfloat16),  # K = 0: exact copy, no launch
 ]
-POLICIES = ["cuda", "npu"]
+POLICIES = ["cuda", "cuda-rows", "npu"]
 
 
 @requires_interpreter
@@ -230,6 +233,27 @@ def test_cuda_accuracy_contract_and_zero_capacity(sample: Sample):
         k_err, e_err = assert_accuracy_contract(k_out, e_out, t_out, what=f"{sample.id} {name}")
         print(f"{sample.id} {name}: kernel/eager max_abs {k_err.max_abs / max(e_err.max_abs, 1e-30):.3f} "
               f"mean_abs {k_err.mean_abs / max(e_err.mean_abs, 1e-30):.3f}")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("sample", sample_params(CUDA_CASES))
+def test_cuda_rows_kernel_contract(sample: Sample):
+    """The streaming backward (opt-in) on the GPU: the same contract, zeros past K, no NaN, identical bits run
+    to run, and the policy really picks it for these shapes."""
+    from k3_ops.backends import cuda
+
+    args = sample.make("cuda")
+    gy = grad_out_for(sample, "cuda")
+    with _nan_fill():
+        outs = policy_backward("cuda-rows", gy, *positional(args), FULL)
+    assert bool((outs[1][:, sample.K:] == 0).all()), "slots >= K must get exact zeros"
+    assert not any(bool(o.isnan().any()) for o in outs)
+    check_contract(sample, outs, gy, args, interpreted=False)
+    again = policy_backward("cuda-rows", gy, *positional(args), FULL)
+    assert all(bits_equal(a, b) for a, b in zip(outs, again)), "the rows kernel must be deterministic"
+    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, torch.device("cuda"),
+                                     cuda.BackwardConfig(kernel="rows")).kernel == "rows"
 
 
 @requires_cuda

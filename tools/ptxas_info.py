@@ -98,19 +98,23 @@ def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fuse
     return k.asm["ptx"], k.metadata.shared
 
 
-def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=True, maxnreg=None):
-    """The backward gradient kernel (all outputs), as the CUDA policy launches it."""
+def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=True, maxnreg=None, kernel="tiles"):
+    """The backward gradient kernel (all outputs), as the CUDA policy launches it ("rows": the streaming kernel,
+    one [8192] row per step)."""
     from k3_ops.kernels import attn_res_bwd
 
-    fn = attn_res_bwd.attn_res_bwd_kernel
+    fn = attn_res_bwd.attn_res_bwd_rows_kernel if kernel == "rows" else attn_res_bwd.attn_res_bwd_kernel
     sig = {"gy_ptr": f"*{dtype}", "prefix_ptr": f"*{dtype}", "blocks_ptr": f"*{dtype}", "nw_ptr": "*fp32",
            "pw_ptr": "*fp32", "gp_ptr": f"*{dtype}", "gb_ptr": f"*{dtype}", "ws_ptr": "*fp64" if acc64 else "*fp32",
            "eps": "fp32"}
     for n in ("T", "K", "C", "H", "tokens_per_prog", "stride_gyt", "stride_pt", "stride_ph", "stride_bt",
               "stride_bc", "stride_bh", "stride_gpt", "stride_gbt", "stride_gbc"):
         sig[n] = "i32"
-    const = dict(BLOCK_H=max(16, tile // k_pad), K_PAD=k_pad, VEC=8 if dtype != "fp32" else 4, H_STRIDED=False,
-                 WRITE_PREFIX=True, WRITE_BLOCKS=True, COMPUTE_DW=True, ACC64=acc64, DF=False, NUM_STAGES=num_stages)
+    const = dict(BLOCK_H=8192 if kernel == "rows" else max(16, tile // k_pad), K_PAD=k_pad,
+                 VEC=8 if dtype != "fp32" else 4, H_STRIDED=False, WRITE_PREFIX=True, WRITE_BLOCKS=True,
+                 COMPUTE_DW=True, ACC64=acc64, NUM_STAGES=num_stages)
+    if kernel != "rows":
+        const["DF"] = False
     for n in const:
         sig[n] = "constexpr"
     src = _source(fn, sig, const)
@@ -136,11 +140,16 @@ BACKWARD_CASES = [
     ("K_PAD 16, 16 warps, tile 4096, 3 stages", dict(num_stages=3)),
     ("K_PAD 16, 8 warps, tile 2048, 3 stages (default)", dict(tile=2048, num_warps=8, num_stages=3)),
     ("K_PAD 2, 8 warps, tile 2048, 3 stages (default)", dict(k_pad=2, tile=2048, num_warps=8, num_stages=3)),
+    ("rows kernel, K_PAD 16, 8 warps, 3 stages", dict(kernel="rows", k_pad=16, num_warps=8, num_stages=3)),
+    ("rows kernel, K_PAD 2, 8 warps, 3 stages", dict(kernel="rows", k_pad=2, num_warps=8, num_stages=3)),
+    ("rows kernel, K_PAD 16, 8 warps, 2 stages", dict(kernel="rows", k_pad=16, num_warps=8, num_stages=2)),
+    ("rows kernel, K_PAD 16, 16 warps, 3 stages", dict(kernel="rows", k_pad=16, num_warps=16, num_stages=3)),
 ]
 
 
-def default_cases() -> list[tuple[str, str, dict]]:
-    """The plans the CUDA policy launches by default (read from the live launch table and backward config)."""
+def budget_cases() -> list[tuple[str, str, dict]]:
+    """The plans the CUDA policy launches by default (read from the live launch table and backward config), and
+    the opt-in streaming backward with the configuration its docs recommend (8 warps, 3 stages)."""
     from k3_ops.backends import cuda
 
     plan = cuda.LAUNCH_TABLE[(cuda.bucket(16384, cuda.T_BUCKETS), cuda.bucket(8, cuda.K_BUCKETS))]
@@ -149,16 +158,18 @@ def default_cases() -> list[tuple[str, str, dict]]:
     bwd_kw = dict(tile=cfg.tile_elems, num_warps=cfg.num_warps, num_stages=cfg.num_stages, acc64=cfg.acc64)
     return [("forward-default", "fwd", fwd), ("forward-default-fused", "fwd", dict(fwd, fused=FUSED_ALL)),
             ("backward-default-kpad16", "bwd", dict(bwd_kw, k_pad=16)),
-            ("backward-default-kpad2", "bwd", dict(bwd_kw, k_pad=2))]
+            ("backward-default-kpad2", "bwd", dict(bwd_kw, k_pad=2)),
+            ("backward-rows-kpad16", "bwd", dict(kernel="rows", k_pad=16, num_warps=8, num_stages=3)),
+            ("backward-rows-kpad2", "bwd", dict(kernel="rows", k_pad=2, num_warps=8, num_stages=3))]
 
 
 def main() -> None:
     """Print every case whose name contains one of the command-line words (all cases without any);
-    ``--json`` prints {name: resources} for the default plans instead (used by tests/test_register_budget.py)."""
+    ``--json`` prints {name: resources} for ``budget_cases()`` instead (used by tests/test_register_budget.py)."""
     args = sys.argv[1:]
     if args[:1] == ["--json"]:
         out = {}
-        for name, kind, kw in default_cases():
+        for name, kind, kw in budget_cases():
             ptx = (rows if kind == "fwd" else bwd)(**kw)[0]
             out[name] = resources(ptx)
         print(json.dumps(out))

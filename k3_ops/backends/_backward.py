@@ -41,6 +41,8 @@ class BackwardPlan:
         weight gradient then accumulates in FP32. Neither: plain FP32.
     launch_options: extra launch keyword arguments (``num_warps`` on CUDA, ``multibuffer`` under triton-ascend).
     num_stages: software-pipelining depth of the kernel's two chunk loops (1: none).
+    kernel: "tiles" (``attn_res_bwd_kernel``, every device) or "rows" (``attn_res_bwd_rows_kernel``, CUDA, H <=
+        block_h = next_power_of_2(H)).
     """
 
     num_programs: int
@@ -50,6 +52,7 @@ class BackwardPlan:
     df: bool = False
     launch_options: tuple[tuple[str, object], ...] = field(default=())
     num_stages: int = 1
+    kernel: str = "tiles"
 
 
 def trivial_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
@@ -106,14 +109,18 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
     gb = raw(grad_blocks) if want_blocks else gy
     h_strided = hidden_strided((x, 1), (blocks, 2))
     vec = stride_vec(x.dtype, (x.stride(0), blocks.stride(0), blocks.stride(1), gy.stride(0), H, C * H))
-    _bwd.attn_res_bwd_kernel[(programs,)](
-        gy, x, blocks, raw(nw), raw(pw), gp, gb, raw(ws) if want_w else gy,
-        T, K, C, H, float(eps), tokens_per_prog,
-        gy.stride(0) // vec, x.stride(0) // vec, x.stride(1), blocks.stride(0) // vec, blocks.stride(1) // vec,
-        blocks.stride(2), H // vec, (C * H) // vec, H // vec,
-        BLOCK_H=plan.block_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, WRITE_PREFIX=want_prefix,
-        WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64, DF=plan.df and not plan.acc64,
-        NUM_STAGES=plan.num_stages, **dict(plan.launch_options))
+    args = (gy, x, blocks, raw(nw), raw(pw), gp, gb, raw(ws) if want_w else gy,
+            T, K, C, H, float(eps), tokens_per_prog,
+            gy.stride(0) // vec, x.stride(0) // vec, x.stride(1), blocks.stride(0) // vec, blocks.stride(1) // vec,
+            blocks.stride(2), H // vec, (C * H) // vec, H // vec)
+    flags = dict(BLOCK_H=plan.block_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, WRITE_PREFIX=want_prefix,
+                 WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64, NUM_STAGES=plan.num_stages,
+                 **dict(plan.launch_options))
+    if plan.kernel == "rows":
+        assert plan.block_h >= H and not plan.df, "the rows backward holds a whole row and has no DF variant"
+        _bwd.attn_res_bwd_rows_kernel[(programs,)](*args, **flags)
+    else:
+        _bwd.attn_res_bwd_kernel[(programs,)](*args, DF=plan.df and not plan.acc64, **flags)
     if want_w:
         block = min(REDUCE_BLOCK_H, next_power_of_2(H))
         _bwd.attn_res_bwd_dw_reduce_kernel[(triton.cdiv(H, block),)](

@@ -494,6 +494,11 @@ class BackwardConfig:
         kernels/attn_res_bwd.py). False is plain FP32: cheaper, but its error is the eager formula's size.
     num_stages: software-pipelining depth of both chunk loops (shared-memory stages; 1 = none).
 
+    kernel: "tiles" ([K_PAD, BLOCK_H] candidate tiles, ``tile_elems`` elements) or "rows" (the streaming kernel:
+        one whole row per step, H <= 8192, else "tiles" is used; ``tile_elems`` ignored). "rows" is the candidate
+        fix for the tiles kernel's L1/shared-memory bound, correct (interpreter and ptxas checked) but not yet
+        timed; with 8 warps and 3 stages ptxas reports <= 255 registers and no spills at H = 7168.
+
     Defaults: the fastest of six configurations timed on the H200 (docs/benchmarks.md, "Training"): 8 warps,
     2048-element tiles, 3 stages, one program per SM (ptxas: 175 registers, no spills, for K_PAD 16). The kernel
     is still far from the bandwidth target; ncu shows it L1/shared-memory bound, see docs/benchmarks.md.
@@ -504,17 +509,23 @@ class BackwardConfig:
     num_warps: int = 8
     acc64: bool = True
     num_stages: int = 3
+    kernel: str = "tiles"
 
     def __post_init__(self):
         if self.programs_per_sm < 1:
             raise ValueError(f"BackwardConfig.programs_per_sm must be >= 1, got {self.programs_per_sm}")
         if self.tile_elems < 16 or self.tile_elems & (self.tile_elems - 1):
             raise ValueError(f"BackwardConfig.tile_elems must be a power of two >= 16, got {self.tile_elems}")
+        if self.kernel not in ("tiles", "rows"):
+            raise ValueError(f"BackwardConfig.kernel must be 'tiles' or 'rows', got {self.kernel!r}")
         if self.num_stages < 1:
             raise ValueError(f"BackwardConfig.num_stages must be >= 1, got {self.num_stages}")
         if self.num_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"BackwardConfig.num_warps must be a power of two in [1, 32], got {self.num_warps}")
 
+
+#: The widest row the streaming backward holds in registers (larger H uses the tiles kernel).
+ROWS_BACKWARD_MAX_H = 8192
 
 #: The default backward launch configuration; benchmarks pass ``config=`` to ``attn_res_backward`` instead.
 BACKWARD_CONFIG = BackwardConfig()
@@ -525,9 +536,11 @@ def choose_backward_plan(T: int, K: int, H: int, device: torch.device,
     """Resolve the backward launch for a shape (compile key: k_pad, block_h, num_warps)."""
     config = config or BACKWARD_CONFIG
     k_pad = next_power_of_2(K + 1)
-    block_h = min(next_power_of_2(H), max(16, config.tile_elems // k_pad))
+    rows = config.kernel == "rows" and next_power_of_2(H) <= ROWS_BACKWARD_MAX_H
+    block_h = next_power_of_2(H) if rows else min(next_power_of_2(H), max(16, config.tile_elems // k_pad))
     return _backward.BackwardPlan(num_programs=min(T, num_sms(device) * config.programs_per_sm), block_h=block_h,
                                   k_pad=k_pad, acc64=config.acc64, num_stages=config.num_stages,
+                                  kernel="rows" if rows else "tiles",
                                   launch_options=(("num_warps", config.num_warps),))
 
 

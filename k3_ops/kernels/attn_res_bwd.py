@@ -7,7 +7,7 @@ With gy = dL/d out, per token in FP32 (docs/attn_res.md "Backward"), recomputed 
     dv_i = p_i gy + gs_i (r_i w - (d_i r_i^3 / H) v_i)         -> grad_block_residual[t, i] (i < K), grad_prefix (i = K)
     dw   = sum_t sum_i gs_i r_i v_i                              -> grad_weight (folded w = norm_weight * proj_weight)
 
-Two kernels:
+Three kernels:
 
 - ``attn_res_bwd_kernel``: a bounded grid of programs (a few per SM on CUDA, one per vector core on Ascend),
   program p walking the contiguous token range [p * tokens_per_prog, (p + 1) * tokens_per_prog). Per token,
@@ -17,6 +17,10 @@ Two kernels:
   ``evict_last``) and writes dv for every candidate plus zeros for slots K..C-1 of grad_block_residual, all in
   the same pass. One candidate tile per hidden chunk, so any K works (K_PAD = next_power_of_2(K + 1) is the
   compile-time tile height; K itself is a runtime argument).
+- ``attn_res_bwd_rows_kernel`` (CUDA, opt-in ``BackwardConfig(kernel="rows")``, H <= 8192): the same gradients
+  with the forward rows kernel's layout: one [BLOCK_H = next_power_of_2(H)] row at a time over all warps, a
+  program's tokens as one software-pipelined stream of 2 K + 3 row loads each, dw accumulated in registers. Meant
+  to lift the first kernel's L1/shared-memory bound on the H200 (docs/benchmarks.md, "Training"); not yet timed.
 - ``attn_res_bwd_dw_reduce_kernel``: the weight gradient. Each program of the first kernel accumulates its
   tokens' contributions into its own row of a workspace [num_programs, H] (FP64; FP32 without ACC64) with no
   atomics (a row has one writer), and this kernel sums the rows in a fixed order (fixed-shape tile sums, then
@@ -156,6 +160,25 @@ def _df_softmax_backward(ss_hi, ss_lo, d_hi, d_lo, g_hi, g_lo, valid, H, eps):
 
 
 @triton.jit
+def _softmax_backward(ss, d, g, valid, H, eps, ACC64: tl.constexpr):
+    """The per-token scalar chain on [K_PAD] statistics (FP64 under ACC64: IEEE sqrt and division; FP32: correctly
+    rounded sqrt / division, as in the forward's score): r = rsqrt(ss / H + eps), p = softmax(r d),
+    gs = p (g - sum p g), c = d r^3 / H (coefficient of v_i in d s_i / d v_i), a = gs r (coefficient of v_i in
+    dw). Returns p, gs, r, c, a in FP32, zero on padding rows."""
+    if ACC64:
+        r = 1.0 / tl.sqrt(ss / H + eps)
+    else:
+        r = tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps))
+    s = tl.where(valid, r * d, -float("inf"))
+    p = tl.exp(s - tl.max(s, axis=0))
+    p = p / tl.sum(p, axis=0)
+    gs = tl.where(valid, p * (g - tl.sum(p * g, axis=0)), 0.0)
+    c = tl.where(valid, d * (r * r * r) / H, 0.0).to(tl.float32)
+    a = (gs * r).to(tl.float32)
+    return p.to(tl.float32), gs.to(tl.float32), r.to(tl.float32), c, a
+
+
+@triton.jit
 def _load_candidates(blk_tile, pre_row, cols, hmask, is_blk, is_prefix, stride_ph, stride_bh,
                      H_STRIDED: tl.constexpr, EVICTION: tl.constexpr):
     """One [K_PAD, BLOCK_H] FP32 chunk of token t's candidates (rows < K from the buffer, row K the prefix, rows
@@ -283,19 +306,7 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
             ss_hi, ss_lo, d_hi, d_lo, g_hi, g_lo = _df_row_sums3(ss_hi, ss_lo, d_hi, d_lo, g_hi, g_lo, K_PAD, BLOCK_H)
             p, gs, r, c, a = _df_softmax_backward(ss_hi, ss_lo, d_hi, d_lo, g_hi, g_lo, valid, H, eps)
         else:
-            if ACC64:
-                r = 1.0 / tl.sqrt(ss / H + eps)
-            else:
-                r = tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps))
-            s = tl.where(valid, r * d, -float("inf"))
-            p = tl.exp(s - tl.max(s, axis=0))
-            p = p / tl.sum(p, axis=0)
-            gs = tl.where(valid, p * (g - tl.sum(p * g, axis=0)), 0.0)
-            c = tl.where(valid, d * (r * r * r) / H, 0.0).to(tl.float32)  # coefficient of v_i in d s_i / d v_i
-            a = (gs * r).to(tl.float32)  # coefficient of v_i in dw
-            p = p.to(tl.float32)
-            gs = gs.to(tl.float32)
-            r = r.to(tl.float32)
+            p, gs, r, c, a = _softmax_backward(ss, d, g, valid, H, eps, ACC64)
         # The element-wise math below is FP32 in the eager formula's order: dv_i = p_i gy + gs_i (r_i w - c_i v_i).
         gb_tile = gb_ptr + t64 * stride_gbt * VEC + gb_rows
         # Every row of this [K_PAD, 1] pointer tile is grad_prefix's row t; only row K's lanes are unmasked.
@@ -335,6 +346,110 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
             # the program whatever layouts the compiler picked for the load and the store (one barrier per token;
             # a CTA barrier on GPUs, a pipeline barrier under triton-ascend, a no-op in the interpreter).
             tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=_BWD_RUNTIME_INTS)
+def attn_res_bwd_rows_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, gb_ptr, ws_ptr,
+                             T, K, C, H, eps, tokens_per_prog,
+                             stride_gyt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh,
+                             stride_gpt, stride_gbt, stride_gbc,
+                             BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
+                             WRITE_PREFIX: tl.constexpr, WRITE_BLOCKS: tl.constexpr, COMPUTE_DW: tl.constexpr,
+                             ACC64: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # The streaming variant (CUDA, H <= BLOCK_H, the launch policy's ``kernel="rows"``): the forward rows kernel's
+    # layout for the backward. Each row is one [BLOCK_H] tile spread over all warps (no warp holds a row that
+    # another warp needs, so nothing is replicated and no reduction crosses candidate rows), and a program walks
+    # its tokens as ONE pipelined sequence of row loads, 2 K + 3 per token:
+    #     grad_out[t]  |  v_0 .. v_K (statistics)  |  v_0 .. v_K again (dv and dw; L2 hits: just read)
+    # The statistics of a row are reduced as soon as it arrives and parked in [K_PAD] vectors; after v_K the
+    # softmax backward runs on them (_softmax_backward, as in attn_res_bwd_kernel). dw accumulates in registers
+    # across all of the program's tokens (FP64 under ACC64) and is stored once, into the program's workspace row.
+    # Same outputs, same workspace contract and the same dw reduction as attn_res_bwd_kernel.
+    pid = tl.program_id(0)
+    t_begin = pid * tokens_per_prog
+    n_tok = tl.maximum(tl.minimum(t_begin + tokens_per_prog, T) - t_begin, 0)
+    cols = tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    rows = tl.arange(0, K_PAD)
+    valid = rows <= K
+    w = (tl.load(nw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+         * tl.load(pw_ptr + cols, mask=hmask, other=0.0).to(tl.float32))  # folded in FP32, as the forward
+    per_tok = 2 * K + 3
+    gy = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if ACC64:
+        dw = tl.zeros([BLOCK_H], dtype=tl.float64)
+        ss = tl.zeros([K_PAD], dtype=tl.float64)
+        d = tl.zeros([K_PAD], dtype=tl.float64)
+        g = tl.zeros([K_PAD], dtype=tl.float64)
+    else:
+        dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+        ss = tl.zeros([K_PAD], dtype=tl.float32)
+        d = tl.zeros([K_PAD], dtype=tl.float32)
+        g = tl.zeros([K_PAD], dtype=tl.float32)
+    p = tl.zeros([K_PAD], dtype=tl.float32)
+    gs = tl.zeros([K_PAD], dtype=tl.float32)
+    r = tl.zeros([K_PAD], dtype=tl.float32)
+    c = tl.zeros([K_PAD], dtype=tl.float32)
+    a = tl.zeros([K_PAD], dtype=tl.float32)
+    for j in tl.range(0, n_tok * per_tok, num_stages=NUM_STAGES):
+        t64 = tl.cast(t_begin + j // per_tok, tl.int64)
+        st = j % per_tok
+        i = tl.where(st <= K + 1, st - 1, st - K - 2)  # candidate of this step (-1: the grad_out step)
+        # The row of this step, chosen by a scalar select of its base pointer (as the forward's rows kernel).
+        blk = blocks_ptr + t64 * (stride_bt * VEC) + tl.cast(tl.minimum(tl.maximum(i, 0), K - 1), tl.int64) * (
+            stride_bc * VEC)
+        cand = tl.where(i < K, blk, prefix_ptr + t64 * (stride_pt * VEC))
+        base = tl.where(st == 0, gy_ptr + t64 * (stride_gyt * VEC), cand)
+        if H_STRIDED:
+            offs = tl.cast(cols, tl.int64) * tl.where(st == 0, 1, tl.where(i < K, stride_bh, stride_ph))
+        else:
+            offs = cols
+        x = tl.load(base + offs, mask=hmask, other=0.0).to(tl.float32)
+        if st == 0:
+            gy = x
+        elif st <= K + 1:
+            # Pass 1: this candidate's statistics, reduced now, parked at position i.
+            if ACC64:
+                xd = x.to(tl.float64)
+                ss_i = tl.sum(xd * xd, axis=0)
+                d_i = tl.sum(xd * w.to(tl.float64), axis=0)
+                g_i = tl.sum(xd * gy.to(tl.float64), axis=0)
+            else:
+                ss_i = tl.sum(x * x, axis=0)
+                d_i = tl.sum(x * w, axis=0)
+                g_i = tl.sum(x * gy, axis=0)
+            ss = tl.where(rows == i, ss_i, ss)
+            d = tl.where(rows == i, d_i, d)
+            g = tl.where(rows == i, g_i, g)
+            if st == K + 1:
+                p, gs, r, c, a = _softmax_backward(ss, d, g, valid, H, eps, ACC64)
+        else:
+            # Pass 2: dv_i = p_i gy + gs_i (r_i w - c_i v_i), in the eager formula's FP32 order; dw += a_i v_i.
+            sel = rows == i
+            p_i = tl.sum(tl.where(sel, p, 0.0), axis=0)
+            gs_i = tl.sum(tl.where(sel, gs, 0.0), axis=0)
+            r_i = tl.sum(tl.where(sel, r, 0.0), axis=0)
+            c_i = tl.sum(tl.where(sel, c, 0.0), axis=0)
+            a_i = tl.sum(tl.where(sel, a, 0.0), axis=0)
+            dv = p_i * gy + gs_i * (r_i * w - c_i * x)
+            if WRITE_PREFIX:
+                tl.store(gp_ptr + t64 * (stride_gpt * VEC) + cols, dv.to(gp_ptr.dtype.element_ty),
+                         mask=hmask & (i == K))
+            if WRITE_BLOCKS:
+                tl.store(gb_ptr + t64 * (stride_gbt * VEC) + tl.cast(tl.minimum(i, K - 1), tl.int64) * (
+                    stride_gbc * VEC) + cols, dv.to(gb_ptr.dtype.element_ty), mask=hmask & (i < K))
+            if COMPUTE_DW:
+                dw += (a_i * x).to(dw.dtype)
+    if WRITE_BLOCKS:
+        # Slots K..C-1 get exact zeros (never read); a loop of its own, outside the pipelined one.
+        zeros = tl.zeros([BLOCK_H], dtype=gb_ptr.dtype.element_ty)
+        for tt in range(0, n_tok):
+            t64 = tl.cast(t_begin + tt, tl.int64)
+            for z in range(K, C):
+                tl.store(gb_ptr + t64 * (stride_gbt * VEC) + tl.cast(z, tl.int64) * (stride_gbc * VEC) + cols, zeros,
+                         mask=hmask)
+    if COMPUTE_DW:
+        tl.store(ws_ptr + tl.cast(pid, tl.int64) * H + cols, dw.to(ws_ptr.dtype.element_ty), mask=hmask)
 
 
 @triton.jit(do_not_specialize=["P"])
