@@ -33,15 +33,16 @@ std::string cat(const Args&... args) {
 }
 
 // A rule: when `ok` is false, the op's first violation is this message.
-#define K3_RULE(ok, is_type, ...)                        \
-  do {                                                   \
-    if (!(ok)) return Violation{(is_type), cat(__VA_ARGS__)}; \
+#define K3_RULE(ok, is_type, ...)                               \
+  do {                                                          \
+    if (!(ok)) return Violation{(is_type), cat(__VA_ARGS__)};   \
   } while (0)
 #define K3_VALUE_RULE(ok, ...) K3_RULE(ok, false, __VA_ARGS__)
 #define K3_TYPE_RULE(ok, ...) K3_RULE(ok, true, __VA_ARGS__)
-#define K3_FIRST(verdict)           \
-  do {                              \
-    if (Verdict v_ = (verdict)) return v_; \
+// The first violation of a group of rules written as a function.
+#define K3_FIRST(verdict)                                       \
+  do {                                                          \
+    if (Verdict v_ = (verdict)) return v_;                      \
   } while (0)
 
 // ---- Size policies: how a rule reads, compares and prints a size.
