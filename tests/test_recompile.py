@@ -128,9 +128,10 @@ def test_k_is_not_a_compile_key_within_a_k_pad(recorders):
 
     recs = recorders(run=False)
     for K in (5, 6, 7):
-        args = Sample(T=7, K=K, cap=8, H=7168).make()
+        args = Sample(T=7, K=K, cap=8, H=7168).make(device=_cpu_or_cuda())
         cuda.attn_res_forward(**args)
         cuda.attn_res_forward(**args, config=cuda.LaunchConfig(kernel="rows"))
+        args = Sample(T=7, K=K, cap=8, H=7168).make()  # the simulated-NPU policy takes CPU tensors
         with npu.substitute(num_vector_cores=lambda device: 20):
             npu.attn_res_forward(**args)
     for name, rec in recs.items():
@@ -143,7 +144,7 @@ def test_block_major_shares_token_major_kernels(recorders):
     recs = recorders(run=False)
     for layout in ("tokenmajor", "blockmajor"):
         for T in (7, 512):
-            cuda.attn_res_forward(**Sample(T=T, K=4, cap=8, H=7168, layout=layout).make())
+            cuda.attn_res_forward(**Sample(T=T, K=4, cap=8, H=7168, layout=layout).make(device=_cpu_or_cuda()))
     for name in ("attn_res_rows_kernel", "attn_res_split_kernel"):
         keys = recs[name].keys
         assert keys and len(set(keys)) == len(keys) // 2, name
@@ -160,7 +161,8 @@ def test_warmup_covers_the_default_table(recorders):
     for T in TOKEN_COUNTS + (2, 9, 33, 100):
         for K in (1, 8):
             for layout in ("tokenmajor", "blockmajor"):
-                cuda.attn_res_forward(**Sample(T=T, K=K, cap=9, H=7168, layout=layout).make())
+                # On the warm-up's device: the plan depends on the device's SM count (CPU: the interpreter's).
+                cuda.attn_res_forward(**Sample(T=T, K=K, cap=9, H=7168, layout=layout).make(device=device))
     for name, rec in recs.items():
         new = set(rec.keys) - warm[name]
         assert not new, f"{name}: {len(new)} compile keys not covered by warmup"
