@@ -30,13 +30,14 @@ FULL = [True, True, True]
 
 
 def policy_backward(policy: str, *args, **kw):
-    """Run one launch policy's attn_res_backward (both accept CPU tensors under the interpreter); "cuda-rows" is
-    the CUDA policy with the streaming backward kernel (``BackwardConfig(kernel="rows")``)."""
-    if policy in ("cuda", "cuda-rows"):
+    """Run one launch policy's attn_res_backward (both accept CPU tensors under the interpreter). "cuda" is the
+    CUDA policy's default (the streaming kernel, H <= 8192); "cuda-tiles" is the same policy with the two-pass
+    tiles kernel it falls back to for wider rows (``BackwardConfig(kernel="tiles")``)."""
+    if policy in ("cuda", "cuda-tiles"):
         from k3_ops.backends import cuda
 
-        if policy == "cuda-rows":
-            kw = dict(kw, config=cuda.BackwardConfig(kernel="rows", num_warps=8, num_stages=3))
+        if policy == "cuda-tiles":
+            kw = dict(kw, config=cuda.BackwardConfig(kernel="tiles"))
         return cuda.attn_res_backward(*args, **kw)
     from k3_ops.backends import npu
 
@@ -99,7 +100,7 @@ CASES = [
     Sample(T=4, K=11, cap=12, H=40, dtype=torch.float32),  # K_PAD = 16
     Sample(T=3, K=0, cap=2, H=48, dtype=torch.bfloat16),  # K = 0: exact copy, no launch
 ]
-POLICIES = ["cuda", "cuda-rows", "npu"]
+POLICIES = ["cuda", "cuda-tiles", "npu"]
 
 
 @requires_interpreter
@@ -238,22 +239,25 @@ def test_cuda_accuracy_contract_and_zero_capacity(sample: Sample):
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("sample", sample_params(CUDA_CASES))
-def test_cuda_rows_kernel_contract(sample: Sample):
-    """The streaming backward (opt-in) on the GPU: the same contract, zeros past K, no NaN, identical bits run
-    to run, and the policy really picks it for these shapes."""
+def test_cuda_tiles_kernel_contract(sample: Sample):
+    """The tiles backward (the fallback for H > 8192, forced here at H <= 8192) on the GPU: the same contract,
+    zeros past K, no NaN, identical bits run to run; and which kernel the policy picks by default and when."""
     from k3_ops.backends import cuda
 
     args = sample.make("cuda")
     gy = grad_out_for(sample, "cuda")
     with _nan_fill():
-        outs = policy_backward("cuda-rows", gy, *positional(args), FULL)
+        outs = policy_backward("cuda-tiles", gy, *positional(args), FULL)
     assert bool((outs[1][:, sample.K:] == 0).all()), "slots >= K must get exact zeros"
     assert not any(bool(o.isnan().any()) for o in outs)
     check_contract(sample, outs, gy, args, interpreted=False)
-    again = policy_backward("cuda-rows", gy, *positional(args), FULL)
-    assert all(bits_equal(a, b) for a, b in zip(outs, again)), "the rows kernel must be deterministic"
-    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, torch.device("cuda"),
-                                     cuda.BackwardConfig(kernel="rows")).kernel == "rows"
+    again = policy_backward("cuda-tiles", gy, *positional(args), FULL)
+    assert all(bits_equal(a, b) for a, b in zip(outs, again)), "the tiles kernel must be deterministic"
+    cuda_dev = torch.device("cuda")
+    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev).kernel == "rows"
+    assert cuda.choose_backward_plan(sample.T, sample.K, 8193, cuda_dev).kernel == "tiles"
+    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev,
+                                     cuda.BackwardConfig(kernel="tiles")).kernel == "tiles"
 
 
 @requires_cuda

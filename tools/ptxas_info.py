@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -144,23 +145,34 @@ BACKWARD_CASES = [
     ("rows kernel, K_PAD 2, 8 warps, 3 stages", dict(kernel="rows", k_pad=2, num_warps=8, num_stages=3)),
     ("rows kernel, K_PAD 16, 8 warps, 2 stages", dict(kernel="rows", k_pad=16, num_warps=8, num_stages=2)),
     ("rows kernel, K_PAD 16, 16 warps, 3 stages", dict(kernel="rows", k_pad=16, num_warps=16, num_stages=3)),
+    ("rows kernel, K_PAD 16, 8 warps, 2 stages, FP32", dict(kernel="rows", k_pad=16, num_warps=8, num_stages=2,
+                                                            acc64=False)),
+    ("rows kernel, K_PAD 16, 16 warps, 2 stages, FP32", dict(kernel="rows", k_pad=16, num_warps=16, num_stages=2,
+                                                             acc64=False)),
 ]
 
 
 def budget_cases() -> list[tuple[str, str, dict]]:
-    """The plans the CUDA policy launches by default (read from the live launch table and backward config), and
-    the opt-in streaming backward with the configuration its docs recommend (8 warps, 3 stages)."""
+    """The plans the CUDA policy launches by default (read from the live launch table and backward config; the
+    backward at H = 7168, i.e. the streaming kernel), and the tiles backward it falls back to for H > 8192."""
     from k3_ops.backends import cuda
 
     plan = cuda.LAUNCH_TABLE[(cuda.bucket(16384, cuda.T_BUCKETS), cuda.bucket(8, cuda.K_BUCKETS))]
     fwd = dict(num_warps=plan.num_warps or 4, prefetch=plan.prefetch, num_stages=plan.num_stages)
-    cfg = cuda.BACKWARD_CONFIG
-    bwd_kw = dict(tile=cfg.tile_elems, num_warps=cfg.num_warps, num_stages=cfg.num_stages, acc64=cfg.acc64)
+    def bwd_kw(k_pad: int) -> dict:
+        p = cuda.choose_backward_plan(4096, k_pad - 1, 7168, torch.device("cpu"))
+        return dict(kernel=p.kernel, tile=p.block_h * p.k_pad, num_warps=dict(p.launch_options)["num_warps"],
+                    num_stages=p.num_stages, acc64=p.acc64, k_pad=k_pad)
+
+    tiles = cuda.BackwardConfig(kernel="tiles")
+    tp = cuda.choose_backward_plan(4096, 15, 7168, torch.device("cpu"), tiles)
+    tiles_kw = dict(tile=tiles.tile_elems, num_warps=dict(tp.launch_options)["num_warps"], num_stages=tp.num_stages,
+                    acc64=tiles.acc64)
     return [("forward-default", "fwd", fwd), ("forward-default-fused", "fwd", dict(fwd, fused=FUSED_ALL)),
-            ("backward-default-kpad16", "bwd", dict(bwd_kw, k_pad=16)),
-            ("backward-default-kpad2", "bwd", dict(bwd_kw, k_pad=2)),
-            ("backward-rows-kpad16", "bwd", dict(kernel="rows", k_pad=16, num_warps=8, num_stages=3)),
-            ("backward-rows-kpad2", "bwd", dict(kernel="rows", k_pad=2, num_warps=8, num_stages=3))]
+            ("backward-default-kpad16", "bwd", bwd_kw(16)),
+            ("backward-default-kpad2", "bwd", bwd_kw(2)),
+            ("backward-tiles-kpad16", "bwd", dict(tiles_kw, k_pad=16)),
+            ("backward-tiles-kpad2", "bwd", dict(tiles_kw, k_pad=2))]
 
 
 def main() -> None:

@@ -75,9 +75,11 @@ INTERPRETER_NUM_SMS = 132
 _num_sms_cache: dict[int, int] = {}
 
 
-def use_interpreter(t: torch.Tensor) -> bool:
-    """True when kernels on ``t`` run under the Triton interpreter (TRITON_INTERPRET=1, or a CPU tensor)."""
-    return t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+def use_interpreter(t: torch.Tensor | torch.device) -> bool:
+    """True when kernels on ``t`` (a tensor or a device) run under the Triton interpreter (TRITON_INTERPRET=1, or
+    a CPU tensor)."""
+    device = t if isinstance(t, torch.device) else t.device
+    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def num_sms(device: torch.device) -> int:
@@ -482,34 +484,31 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
 class BackwardConfig:
     """Knobs of the backward launch (tuned on the H200 with ``python -m k3_ops.bench_train``).
 
+    kernel: "rows" (default; ``attn_res_bwd_rows_kernel``, the streaming kernel: one whole row per step over all
+        warps, H <= ROWS_BACKWARD_MAX_H, wider H falls back to "tiles") or "tiles" (``attn_res_bwd_kernel``:
+        [K_PAD, BLOCK_H] candidate tiles of ``tile_elems`` elements, two passes per token; the Ascend algorithm).
     programs_per_sm: gradient-kernel programs per SM; grid = min(T, SMs x programs_per_sm), each program walking
-        a contiguous token range. More programs give more memory parallelism but a larger dw workspace
-        ([grid, H] fp64) and more L2 pressure between a token's two passes (pass 2 re-reads what pass 1 just read).
-    tile_elems: K_PAD x BLOCK_H, the candidate tile in registers; BLOCK_H = tile_elems // K_PAD (a power of two,
-        at least 16, at most next_power_of_2(H)).
-    num_warps: warps per program. The defaults, checked with ptxas for sm_90 (no GPU needed) under the runtime
-        specialisation (16-byte aligned pointers, H % 16 == 0) with triton 3.6: 90-107 registers per thread for
-        K_PAD 2..32, no spills (one 16-warp program resident per SM) and 16-byte loads (8 bf16 per thread).
+        a contiguous token range (a larger grid also means a larger dw workspace, [grid, H] fp64).
+    num_warps, num_stages: warps per program and software-pipelining depth (shared-memory stages; 1 = none);
+        None takes the resolved kernel's measured default from ``BACKWARD_KERNEL_DEFAULTS``.
+    tile_elems: "tiles" only: K_PAD x BLOCK_H, BLOCK_H = tile_elems // K_PAD (a power of two, at least 16, at
+        most next_power_of_2(H)).
     acc64: FP64 per-token statistics / softmax backward / dw accumulation (the accuracy contract's margin; see
         kernels/attn_res_bwd.py). False is plain FP32: cheaper, but its error is the eager formula's size.
-    num_stages: software-pipelining depth of both chunk loops (shared-memory stages; 1 = none).
+    maxnreg: register cap per thread (a CUDA compile option; None: ptxas decides).
 
-    kernel: "tiles" ([K_PAD, BLOCK_H] candidate tiles, ``tile_elems`` elements) or "rows" (the streaming kernel:
-        one whole row per step, H <= 8192, else "tiles" is used; ``tile_elems`` ignored). "rows" is the candidate
-        fix for the tiles kernel's L1/shared-memory bound, correct (interpreter and ptxas checked) but not yet
-        timed; with 8 warps and 3 stages ptxas reports <= 255 registers and no spills at H = 7168.
-
-    Defaults: the fastest of six configurations timed on the H200 (docs/benchmarks.md, "Training"): 8 warps,
-    2048-element tiles, 3 stages, one program per SM (ptxas: 175 registers, no spills, for K_PAD 16). The kernel
-    is still far from the bandwidth target; ncu shows it L1/shared-memory bound, see docs/benchmarks.md.
+    Defaults: the fastest configuration timed on the H200 (docs/benchmarks.md, "Training"): the streaming kernel,
+    8 warps, 2 stages, one program per SM, FP64 accumulation (ptxas for sm_90: 252 registers, no spills, at
+    K_PAD 16); 4-5x faster than the best "tiles" configuration at T = 4096..16384.
     """
 
+    kernel: str = "rows"
     programs_per_sm: int = 1
+    num_warps: int | None = None
+    num_stages: int | None = None
     tile_elems: int = 2048
-    num_warps: int = 8
     acc64: bool = True
-    num_stages: int = 3
-    kernel: str = "tiles"
+    maxnreg: int | None = None
 
     def __post_init__(self):
         if self.programs_per_sm < 1:
@@ -518,14 +517,21 @@ class BackwardConfig:
             raise ValueError(f"BackwardConfig.tile_elems must be a power of two >= 16, got {self.tile_elems}")
         if self.kernel not in ("tiles", "rows"):
             raise ValueError(f"BackwardConfig.kernel must be 'tiles' or 'rows', got {self.kernel!r}")
-        if self.num_stages < 1:
-            raise ValueError(f"BackwardConfig.num_stages must be >= 1, got {self.num_stages}")
-        if self.num_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"BackwardConfig.num_warps must be a power of two in [1, 32], got {self.num_warps}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"BackwardConfig.num_stages must be >= 1 or None, got {self.num_stages}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"BackwardConfig.num_warps must be a power of two in [1, 32] or None, got "
+                             f"{self.num_warps}")
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"BackwardConfig.maxnreg must be in [24, 255] or None, got {self.maxnreg}")
 
 
 #: The widest row the streaming backward holds in registers (larger H uses the tiles kernel).
 ROWS_BACKWARD_MAX_H = 8192
+
+#: Per-kernel (num_warps, num_stages) when the config leaves them None; each the fastest measured on the H200
+#: (docs/benchmarks.md, "Training"): rows 8 warps / 2 stages; tiles 8 warps / 3 stages (2048-element tiles).
+BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "tiles": (8, 3)}
 
 #: The default backward launch configuration; benchmarks pass ``config=`` to ``attn_res_backward`` instead.
 BACKWARD_CONFIG = BackwardConfig()
@@ -533,15 +539,18 @@ BACKWARD_CONFIG = BackwardConfig()
 
 def choose_backward_plan(T: int, K: int, H: int, device: torch.device,
                          config: BackwardConfig | None = None) -> _backward.BackwardPlan:
-    """Resolve the backward launch for a shape (compile key: k_pad, block_h, num_warps)."""
+    """Resolve the backward launch for a shape (compile key: kernel, k_pad, block_h, num_warps, num_stages)."""
     config = config or BACKWARD_CONFIG
     k_pad = next_power_of_2(K + 1)
-    rows = config.kernel == "rows" and next_power_of_2(H) <= ROWS_BACKWARD_MAX_H
-    block_h = next_power_of_2(H) if rows else min(next_power_of_2(H), max(16, config.tile_elems // k_pad))
+    kernel = "rows" if config.kernel == "rows" and next_power_of_2(H) <= ROWS_BACKWARD_MAX_H else "tiles"
+    block_h = next_power_of_2(H) if kernel == "rows" else min(next_power_of_2(H), max(16, config.tile_elems // k_pad))
+    warps, stages = BACKWARD_KERNEL_DEFAULTS[kernel]
+    options = [("num_warps", config.num_warps or warps)]
+    if config.maxnreg and not use_interpreter(device):
+        options.append(("maxnreg", config.maxnreg))  # a GPU compile option; the interpreter takes none
     return _backward.BackwardPlan(num_programs=min(T, num_sms(device) * config.programs_per_sm), block_h=block_h,
-                                  k_pad=k_pad, acc64=config.acc64, num_stages=config.num_stages,
-                                  kernel="rows" if rows else "tiles",
-                                  launch_options=(("num_warps", config.num_warps),))
+                                  k_pad=k_pad, acc64=config.acc64, num_stages=config.num_stages or stages,
+                                  kernel=kernel, launch_options=tuple(options))
 
 
 def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
