@@ -9,18 +9,19 @@ With gy = dL/d out, per token in FP32 (docs/attn_res.md "Backward"), recomputed 
 
 Three kernels:
 
-- ``attn_res_bwd_kernel``: a bounded grid of programs (a few per SM on CUDA, one per vector core on Ascend),
-  program p walking the contiguous token range [p * tokens_per_prog, (p + 1) * tokens_per_prog). Per token,
-  two passes over H in [K_PAD, BLOCK_H] tiles (rows < K: blocks, row K: the prefix, rows > K masked and never
-  addressed): pass 1 reduces sum(v^2), <v, w> and <v, gy> per candidate; then the softmax and its backward
-  on K_PAD scalars; pass 2 re-reads the same tiles (just read, so mostly from L2: the pass-1 loads are
-  ``evict_last``) and writes dv for every candidate plus zeros for slots K..C-1 of grad_block_residual, all in
-  the same pass. One candidate tile per hidden chunk, so any K works (K_PAD = next_power_of_2(K + 1) is the
-  compile-time tile height; K itself is a runtime argument).
-- ``attn_res_bwd_rows_kernel`` (CUDA, opt-in ``BackwardConfig(kernel="rows")``, H <= 8192): the same gradients
-  with the forward rows kernel's layout: one [BLOCK_H = next_power_of_2(H)] row at a time over all warps, a
-  program's tokens as one software-pipelined stream of 2 K + 3 row loads each, dw accumulated in registers. Meant
-  to lift the first kernel's L1/shared-memory bound on the H200 (docs/benchmarks.md, "Training"); not yet timed.
+- ``attn_res_bwd_kernel`` (every device: Ascend, and CUDA for H > 8192 or ``BackwardConfig(kernel="tiles")``):
+  a bounded grid of programs (a few per SM on CUDA, one per vector core on Ascend), program p walking the
+  contiguous token range [p * tokens_per_prog, (p + 1) * tokens_per_prog). Per token, two passes over H in
+  [K_PAD, BLOCK_H] tiles (rows < K: blocks, row K: the prefix, rows > K masked and never addressed): pass 1
+  reduces sum(v^2), <v, w> and <v, gy> per candidate; then the softmax and its backward on K_PAD scalars; pass 2
+  re-reads the same tiles (just read, so mostly from L2: the pass-1 loads are ``evict_last``) and writes dv for
+  every candidate; zeros for slots K..C-1 of grad_block_residual follow in a loop of their own. One candidate
+  tile per hidden chunk, so any K works (K_PAD = next_power_of_2(K + 1) is the compile-time tile height; K itself
+  is a runtime argument).
+- ``attn_res_bwd_rows_kernel`` (the CUDA default for H <= 8192): the same gradients with the forward rows
+  kernel's layout: one [BLOCK_H = next_power_of_2(H)] row at a time over all warps, a program's tokens as one
+  software-pipelined stream of 2 K + 3 row loads each, dw accumulated in registers. It lifts the tiles kernel's
+  L1/shared-memory bound on the H200: 2.2-5.1x faster there (docs/benchmarks.md, "Training").
 - ``attn_res_bwd_dw_reduce_kernel``: the weight gradient. Each program of the first kernel accumulates its
   tokens' contributions into its own row of a workspace [num_programs, H] (FP64; FP32 without ACC64) with no
   atomics (a row has one writer), and this kernel sums the rows in a fixed order (fixed-shape tile sums, then
