@@ -32,17 +32,20 @@ for stage in "${stages[@]}"; do
         command -v cuda-gdb >/dev/null && cuda-gdb -q -batch -ex run -ex bt --args $PY tools/smoke_errors.py \
           >"$OUT/gdb.txt" 2>&1; grep -E "^#|signal" "$OUT/gdb.txt" | head -16 | cut -c1-300; } ;;
     ncu)
-      # Hardware counters of one backward launch (METHOD.md: leave the clocks alone).
-      ncu --clock-control none --profile-from-start off -k regex:attn_res_bwd_kernel -c 1 \
+      # Hardware counters of one backward launch of the default kernel (NCU_KERNEL; METHOD.md: leave the clocks alone).
+      ncu --clock-control none --profile-from-start off -k regex:${NCU_KERNEL:-attn_res_bwd_rows_kernel} -c 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
         --section LaunchStats --section SchedulerStats $PY tools/profile_bwd.py >"$OUT/ncu.txt" 2>&1 || status=1
       grep -vE "^==PROF==|^ *-+ *$" "$OUT/ncu.txt" | grep -E "Throughput|Duration|Hit|Occupancy|Stall|Warp Cycles|Registers|Shared|Block Limit|Issued|Eligible|Active Warps|L2|DRAM|One or More" | head -60 ;;
     testfiles)
       # One pytest process per file (a crash loses one file, not the suite); one log, one summary line per file.
+      # -s keeps the accuracy tests' "kernel/eager" ratio lines (per case), collected into accuracy.txt.
       for f in ${TEST_FILES:-tests/test_*.py}; do
-        timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -ra -p no:cacheprovider "$f" >>"$OUT/pytest.log" 2>&1
+        timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -s -ra -p no:cacheprovider ${PYTEST_ARGS:-} "$f" \
+          >>"$OUT/pytest.log" 2>&1
         rc=$?; echo "$f rc=$rc: $(tail -1 "$OUT/pytest.log")"; [ $rc -eq 0 ] || status=1
-      done ;;
+      done
+      grep -a "kernel/eager" "$OUT/pytest.log" >"$OUT/accuracy.txt" || true ;;
     tests)
       timeout ${TEST_TIMEOUT:-1200} $PY -m pytest -q -ra ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -Ev "^(tests/|\.|s)+[ .sxEF]*\[ *[0-9]+%\]$" | tail -60
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
