@@ -16,6 +16,8 @@ the kernel is held against the eager result rounded to nearest even.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -104,6 +106,41 @@ POLICIES = ["cuda", "cuda-tiles", "npu"]
 
 
 @requires_interpreter
+def test_cuda_backward_plan_resolution():
+    """Which kernel and knobs the CUDA policy picks (no launch, any machine): the streaming kernel up to
+    ROWS_BACKWARD_MAX_H, the tiles kernel beyond it or when asked, each with its own measured defaults unless the
+    config overrides them; the register cap is a GPU compile option only."""
+    from k3_ops.backends import cuda
+
+    cpu, gpu_like = torch.device("cpu"), torch.device("cuda", 0)
+    rows = cuda.choose_backward_plan(4096, 8, 7168, cpu)
+    assert (rows.kernel, rows.block_h, rows.k_pad) == ("rows", 8192, 16)
+    assert (dict(rows.launch_options)["num_warps"], rows.num_stages) == cuda.BACKWARD_KERNEL_DEFAULTS["rows"]
+    wide = cuda.choose_backward_plan(4096, 8, cuda.ROWS_BACKWARD_MAX_H + 1, cpu)
+    assert wide.kernel == "tiles" and wide.block_h * wide.k_pad == cuda.BackwardConfig().tile_elems
+    assert (dict(wide.launch_options)["num_warps"], wide.num_stages) == cuda.BACKWARD_KERNEL_DEFAULTS["tiles"]
+    forced = cuda.choose_backward_plan(4096, 1, 7168, cpu, cuda.BackwardConfig(kernel="tiles", num_stages=1,
+                                                                                   num_warps=4, maxnreg=128))
+    assert forced.kernel == "tiles" and forced.num_stages == 1
+    assert dict(forced.launch_options) == {"num_warps": 4}, "maxnreg must not reach the interpreter"
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":  # a compiling GPU
+        capped = cuda.choose_backward_plan(4096, 1, 7168, gpu_like, cuda.BackwardConfig(maxnreg=128))
+        assert dict(capped.launch_options)["maxnreg"] == 128
+
+
+@pytest.mark.parametrize("knobs, field", [(dict(kernel="fast"), "kernel"), (dict(num_warps=3), "num_warps"),
+                                          (dict(num_stages=0), "num_stages"), (dict(maxnreg=300), "maxnreg"),
+                                          (dict(tile_elems=100), "tile_elems"), (dict(programs_per_sm=0),
+                                                                                 "programs_per_sm")],
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_backward_config_rejects_bad_knobs(knobs, field):
+    from k3_ops.backends import cuda
+
+    value = next(iter(knobs.values()))
+    with pytest.raises(ValueError, match=rf"BackwardConfig\.{field} .*got {value!r}"):
+        cuda.BackwardConfig(**knobs)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("sample", sample_params(CASES))
