@@ -33,13 +33,16 @@ FULL = [True, True, True]
 
 def policy_backward(policy: str, *args, **kw):
     """Run one launch policy's attn_res_backward (both accept CPU tensors under the interpreter). "cuda" is the
-    CUDA policy's default (the streaming kernel, H <= 8192); "cuda-tiles" is the same policy with the two-pass
-    tiles kernel it falls back to for wider rows (``BackwardConfig(kernel="tiles")``)."""
-    if policy in ("cuda", "cuda-tiles"):
+    CUDA policy's default; "cuda-rows", "cuda-stats-apply" and "cuda-tiles" force one of its kernels
+    (``BackwardConfig(kernel=...)``; rows and stats_apply hold a whole row, H <= 8192, tiles is the fallback for
+    wider rows). The stats_apply variant uses 16-column chunks so that the small test shapes span several."""
+    if policy.startswith("cuda"):
         from k3_ops.backends import cuda
 
-        if policy == "cuda-tiles":
-            kw = dict(kw, config=cuda.BackwardConfig(kernel="tiles"))
+        forced = {"cuda-rows": dict(kernel="rows"), "cuda-tiles": dict(kernel="tiles"),
+                  "cuda-stats-apply": dict(kernel="stats_apply", apply_block=16)}
+        if policy in forced:
+            kw = dict(kw, config=cuda.BackwardConfig(**forced[policy]))
         return cuda.attn_res_backward(*args, **kw)
     from k3_ops.backends import npu
 
@@ -102,7 +105,7 @@ CASES = [
     Sample(T=4, K=11, cap=12, H=40, dtype=torch.float32),  # K_PAD = 16
     Sample(T=3, K=0, cap=2, H=48, dtype=torch.bfloat16),  # K = 0: exact copy, no launch
 ]
-POLICIES = ["cuda", "cuda-tiles", "npu"]
+POLICIES = ["cuda", "cuda-rows", "cuda-stats-apply", "cuda-tiles", "npu"]
 
 
 @requires_interpreter
@@ -275,26 +278,29 @@ def test_cuda_accuracy_contract_and_zero_capacity(sample: Sample):
 
 @requires_cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["cuda-rows", "cuda-stats-apply", "cuda-tiles"])
 @pytest.mark.parametrize("sample", sample_params(CUDA_CASES))
-def test_cuda_tiles_kernel_contract(sample: Sample):
-    """The tiles backward (the fallback for H > 8192, forced here at H <= 8192) on the GPU: the same contract,
-    zeros past K, no NaN, identical bits run to run; and which kernel the policy picks by default and when."""
+def test_cuda_each_kernel_contract(sample: Sample, policy: str):
+    """Every CUDA backward kernel forced on the GPU (the default is one of them; tiles is the fallback for
+    H > 8192, forced here at H <= 8192): the same contract, zeros past K, no NaN, identical bits run to run;
+    and which kernel the policy resolves to."""
     from k3_ops.backends import cuda
 
     args = sample.make("cuda")
     gy = grad_out_for(sample, "cuda")
     with _nan_fill():
-        outs = policy_backward("cuda-tiles", gy, *positional(args), FULL)
+        outs = policy_backward(policy, gy, *positional(args), FULL)
     assert bool((outs[1][:, sample.K:] == 0).all()), "slots >= K must get exact zeros"
     assert not any(bool(o.isnan().any()) for o in outs)
     check_contract(sample, outs, gy, args, interpreted=False)
-    again = policy_backward("cuda-tiles", gy, *positional(args), FULL)
-    assert all(bits_equal(a, b) for a, b in zip(outs, again)), "the tiles kernel must be deterministic"
+    again = policy_backward(policy, gy, *positional(args), FULL)
+    assert all(bits_equal(a, b) for a, b in zip(outs, again)), f"{policy} must be deterministic"
     cuda_dev = torch.device("cuda")
-    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev).kernel == "rows"
-    assert cuda.choose_backward_plan(sample.T, sample.K, 8193, cuda_dev).kernel == "tiles"
-    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev,
-                                     cuda.BackwardConfig(kernel="tiles")).kernel == "tiles"
+    kernel = policy.removeprefix("cuda-").replace("-", "_")
+    forced = cuda.BackwardConfig(kernel=kernel)
+    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev, forced).kernel == kernel
+    assert cuda.choose_backward_plan(sample.T, sample.K, 8193, cuda_dev, forced).kernel == "tiles"
+    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev).kernel == cuda.BACKWARD_CONFIG.kernel
 
 
 @requires_cuda
@@ -330,16 +336,19 @@ def test_cuda_token_counts_share_one_compiled_kernel():
     # the gradient kernel and the reduction once each.
     from k3_ops.kernels import attn_res_bwd
 
-    def compiled(kernel) -> int:
-        return sum(len(entry[0]) for entry in kernel.device_caches.values())
+    kernels = {name: getattr(attn_res_bwd, name) for name in dir(attn_res_bwd) if name.endswith("_kernel")}
 
-    before = (compiled(attn_res_bwd.attn_res_bwd_kernel), compiled(attn_res_bwd.attn_res_bwd_dw_reduce_kernel))
+    def compiled() -> dict[str, int]:
+        return {n: sum(len(entry[0]) for entry in k.device_caches.values()) for n, k in kernels.items()}
+
+    before = compiled()
     for T in (1, 7, 16, 17, 512):
         sample = Sample(T=T, K=6, cap=8, H=7168, dtype=torch.bfloat16)
         args = sample.make("cuda")
         BWD(grad_out_for(sample, "cuda"), *positional(args), FULL)
-    after = (compiled(attn_res_bwd.attn_res_bwd_kernel), compiled(attn_res_bwd.attn_res_bwd_dw_reduce_kernel))
-    assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1, (before, after)
+    after = compiled()
+    assert all(after[n] - before[n] <= 1 for n in kernels), (before, after)
+    assert sum(after.values()) >= 2, "the gradient kernel(s) and the reduction must have compiled"
 
 
 @requires_cuda

@@ -41,8 +41,10 @@ class BackwardPlan:
         weight gradient then accumulates in FP32. Neither: plain FP32.
     launch_options: extra launch keyword arguments (``num_warps`` on CUDA, ``multibuffer`` under triton-ascend).
     num_stages: software-pipelining depth of the kernel's two chunk loops (1: none).
-    kernel: "tiles" (``attn_res_bwd_kernel``, every device) or "rows" (``attn_res_bwd_rows_kernel``, CUDA, H <=
-        block_h = next_power_of_2(H)).
+    kernel: "tiles" (``attn_res_bwd_kernel``, every device), "rows" (``attn_res_bwd_rows_kernel``, CUDA, H <=
+        block_h = next_power_of_2(H)) or "stats_apply" (CUDA, H <= block_h: ``attn_res_bwd_stats_kernel`` with
+        num_programs, launch_options and num_stages, then ``attn_res_bwd_apply_kernel`` on a
+        (apply_programs, cdiv(H, apply_block)) grid with apply_options and apply_num_stages).
     """
 
     num_programs: int
@@ -53,6 +55,10 @@ class BackwardPlan:
     launch_options: tuple[tuple[str, object], ...] = field(default=())
     num_stages: int = 1
     kernel: str = "tiles"
+    apply_programs: int = 0
+    apply_block: int = 0
+    apply_options: tuple[tuple[str, object], ...] = field(default=())
+    apply_num_stages: int = 1
 
 
 def trivial_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
@@ -93,7 +99,8 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
     if not (want_prefix or want_blocks or want_w):
         return grad_prefix, grad_blocks, grad_w
 
-    tokens_per_prog = triton.cdiv(T, max(1, min(plan.num_programs, T)))
+    # The gradient kernel's token ranges (for "stats_apply": the apply kernel's; the statistics kernel has its own).
+    tokens_per_prog = triton.cdiv(T, max(1, min(plan.apply_programs or plan.num_programs, T)))
     programs = triton.cdiv(T, tokens_per_prog)  # every program gets at least one token
     ws = (torch.empty((programs, H), dtype=torch.float64 if plan.acc64 else torch.float32, device=dev) if want_w
           else None)
@@ -116,7 +123,21 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
     flags = dict(BLOCK_H=plan.block_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, WRITE_PREFIX=want_prefix,
                  WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64, NUM_STAGES=plan.num_stages,
                  **dict(plan.launch_options))
-    if plan.kernel == "rows":
+    if plan.kernel == "stats_apply":
+        assert plan.block_h >= H and not plan.df, "the statistics kernel holds a whole row and has no DF variant"
+        # Per-token scalars [T, N_SCALARS, K_PAD] FP32: O(T x K), the only tensor between the two kernels.
+        scalars = torch.empty((T, _bwd.N_SCALARS.value, plan.k_pad), dtype=torch.float32, device=dev)
+        stats_tpp = triton.cdiv(T, max(1, min(plan.num_programs, T)))
+        _bwd.attn_res_bwd_stats_kernel[(triton.cdiv(T, stats_tpp),)](
+            gy, x, blocks, raw(nw), raw(pw), raw(scalars), T, K, H, float(eps), stats_tpp, *args[14:20],
+            BLOCK_H=plan.block_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, ACC64=plan.acc64,
+            NUM_STAGES=plan.num_stages, **dict(plan.launch_options))
+        apply_args = args[:5] + (raw(scalars),) + args[5:12] + args[13:]  # no eps
+        _bwd.attn_res_bwd_apply_kernel[(programs, triton.cdiv(H, plan.apply_block))](
+            *apply_args, BLOCK_C=plan.apply_block, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided,
+            WRITE_PREFIX=want_prefix, WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64,
+            NUM_STAGES=plan.apply_num_stages, **dict(plan.apply_options))
+    elif plan.kernel == "rows":
         assert plan.block_h >= H and not plan.df, "the rows backward holds a whole row and has no DF variant"
         _bwd.attn_res_bwd_rows_kernel[(programs,)](*args, **flags)
     else:

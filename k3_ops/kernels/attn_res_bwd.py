@@ -466,3 +466,150 @@ def attn_res_bwd_dw_reduce_kernel(ws_ptr, out_ptr, P, H, BLOCK_P: tl.constexpr, 
                        mask=(prow < P)[:, None] & hmask[None, :], other=0.0)
         acc += tl.sum(tile, axis=0)
     tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+# Per-token scalars handed from the statistics kernel to the apply kernel: [T, N_SCALARS, K_PAD] FP32, in this
+# order (zero on padding rows): p, gs, r, c, a (see _softmax_backward). A constexpr global: jitted code may read it.
+N_SCALARS = tl.constexpr(5)
+_STATS_RUNTIME_INTS = ["T", "K", "tokens_per_prog", "stride_gyt", "stride_pt", "stride_ph", "stride_bt", "stride_bc",
+                       "stride_bh"]
+_APPLY_RUNTIME_INTS = _BWD_RUNTIME_INTS
+
+
+@triton.jit(do_not_specialize=_STATS_RUNTIME_INTS)
+def attn_res_bwd_stats_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, sc_ptr,
+                              T, K, H, eps, tokens_per_prog,
+                              stride_gyt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh,
+                              BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
+                              ACC64: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # First kernel of the "stats_apply" backward (CUDA, H <= BLOCK_H): only the per-token reductions. The rows
+    # kernel's stream without its second pass: K + 2 row loads per token (grad_out, v_0 .. v_K), the statistics of
+    # each row reduced as it arrives, then the softmax backward, whose [K_PAD] results (p, gs, r, c, a) go to
+    # sc[t] for attn_res_bwd_apply_kernel. Nothing of size H is written.
+    # FP64 statistics (ACC64) cost one FP32 -> FP64 conversion per element and row; w and grad_out are converted
+    # once (per program / per token) and kept in FP64 registers: conversions run at a quarter of the FP64 FMA
+    # rate on sm_90, so converting all three operands per row would cost three times the products themselves.
+    pid = tl.program_id(0)
+    t_begin = pid * tokens_per_prog
+    n_tok = tl.maximum(tl.minimum(t_begin + tokens_per_prog, T) - t_begin, 0)
+    cols = tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    rows = tl.arange(0, K_PAD)
+    valid = rows <= K
+    w = (tl.load(nw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+         * tl.load(pw_ptr + cols, mask=hmask, other=0.0).to(tl.float32))  # folded in FP32, as the forward
+    if ACC64:
+        wd = w.to(tl.float64)
+        gyd = tl.zeros([BLOCK_H], dtype=tl.float64)
+        ss = tl.zeros([K_PAD], dtype=tl.float64)
+        d = tl.zeros([K_PAD], dtype=tl.float64)
+        g = tl.zeros([K_PAD], dtype=tl.float64)
+    else:
+        wd = w
+        gyd = tl.zeros([BLOCK_H], dtype=tl.float32)
+        ss = tl.zeros([K_PAD], dtype=tl.float32)
+        d = tl.zeros([K_PAD], dtype=tl.float32)
+        g = tl.zeros([K_PAD], dtype=tl.float32)
+    per_tok = K + 2
+    for j in tl.range(0, n_tok * per_tok, num_stages=NUM_STAGES):
+        t64 = tl.cast(t_begin + j // per_tok, tl.int64)
+        st = j % per_tok
+        i = st - 1  # candidate of this step (-1: the grad_out step)
+        blk = blocks_ptr + t64 * (stride_bt * VEC) + tl.cast(tl.minimum(tl.maximum(i, 0), K - 1), tl.int64) * (
+            stride_bc * VEC)
+        cand = tl.where(i < K, blk, prefix_ptr + t64 * (stride_pt * VEC))
+        base = tl.where(st == 0, gy_ptr + t64 * (stride_gyt * VEC), cand)
+        if H_STRIDED:
+            offs = tl.cast(cols, tl.int64) * tl.where(st == 0, 1, tl.where(i < K, stride_bh, stride_ph))
+        else:
+            offs = cols
+        x = tl.load(base + offs, mask=hmask, other=0.0).to(tl.float32)
+        if st == 0:
+            gyd = x.to(gyd.dtype)
+        else:
+            xd = x.to(gyd.dtype)
+            ss_i = tl.sum(xd * xd, axis=0)
+            d_i = tl.sum(xd * wd, axis=0)
+            g_i = tl.sum(xd * gyd, axis=0)
+            ss = tl.where(rows == i, ss_i, ss)
+            d = tl.where(rows == i, d_i, d)
+            g = tl.where(rows == i, g_i, g)
+            if st == K + 1:
+                p, gs, r, c, a = _softmax_backward(ss, d, g, valid, H, eps, ACC64)
+                out = sc_ptr + t64 * (N_SCALARS * K_PAD) + rows
+                tl.store(out, p)
+                tl.store(out + K_PAD, gs)
+                tl.store(out + 2 * K_PAD, r)
+                tl.store(out + 3 * K_PAD, c)
+                tl.store(out + 4 * K_PAD, a)
+
+
+@triton.jit(do_not_specialize=_APPLY_RUNTIME_INTS)
+def attn_res_bwd_apply_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, sc_ptr, gp_ptr, gb_ptr, ws_ptr,
+                              T, K, C, H, tokens_per_prog,
+                              stride_gyt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh,
+                              stride_gpt, stride_gbt, stride_gbc,
+                              BLOCK_C: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
+                              WRITE_PREFIX: tl.constexpr, WRITE_BLOCKS: tl.constexpr, COMPUTE_DW: tl.constexpr,
+                              ACC64: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # Second kernel of the "stats_apply" backward: everything element-wise, with the per-token scalars from
+    # attn_res_bwd_stats_kernel. Grid (token ranges, column chunks of BLOCK_C): no value crosses a thread, so
+    # many small programs share an SM and hide memory latency with each other instead of through one long chain
+    # of reductions. Per token, K + 2 row-chunk loads (grad_out, v_0 .. v_K) as one pipelined stream:
+    #     dv_i = p_i gy + gs_i (r_i w - c_i v_i)     (FP32, the eager formula's order) -> grad rows
+    #     dw  += a_i v_i                              (FP64 under ACC64, as the rows kernel; per column chunk)
+    # then zeros for slots K..C-1, and the program's dw chunk into its workspace row (reduced in a fixed order by
+    # attn_res_bwd_dw_reduce_kernel, like the other backward kernels).
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    hmask = cols < H
+    t_begin = pid * tokens_per_prog
+    n_tok = tl.maximum(tl.minimum(t_begin + tokens_per_prog, T) - t_begin, 0)
+    w = (tl.load(nw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+         * tl.load(pw_ptr + cols, mask=hmask, other=0.0).to(tl.float32))
+    gy = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw = tl.zeros([BLOCK_C], dtype=tl.float64 if ACC64 else tl.float32)
+    per_tok = K + 2
+    for j in tl.range(0, n_tok * per_tok, num_stages=NUM_STAGES):
+        t64 = tl.cast(t_begin + j // per_tok, tl.int64)
+        st = j % per_tok
+        i = st - 1
+        ic = tl.maximum(i, 0)
+        blk = blocks_ptr + t64 * (stride_bt * VEC) + tl.cast(tl.minimum(ic, K - 1), tl.int64) * (stride_bc * VEC)
+        cand = tl.where(i < K, blk, prefix_ptr + t64 * (stride_pt * VEC))
+        base = tl.where(st == 0, gy_ptr + t64 * (stride_gyt * VEC), cand)
+        if H_STRIDED:
+            offs = tl.cast(cols, tl.int64) * tl.where(st == 0, 1, tl.where(i < K, stride_bh, stride_ph))
+        else:
+            offs = cols
+        # Last use of every input row: evict_first.
+        x = tl.load(base + offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        # The step's scalars, loaded unconditionally (the grad_out step reads candidate 0's) so that the loop's
+        # every load is outside the branches and the software pipeliner can issue them ahead.
+        sc = sc_ptr + t64 * (N_SCALARS * K_PAD) + ic
+        p_i = tl.load(sc)
+        gs_i = tl.load(sc + K_PAD)
+        r_i = tl.load(sc + 2 * K_PAD)
+        c_i = tl.load(sc + 3 * K_PAD)
+        a_i = tl.load(sc + 4 * K_PAD)
+        if st == 0:
+            gy = x
+        else:
+            dv = p_i * gy + gs_i * (r_i * w - c_i * x)
+            if WRITE_PREFIX:
+                tl.store(gp_ptr + t64 * (stride_gpt * VEC) + cols, dv.to(gp_ptr.dtype.element_ty),
+                         mask=hmask & (i == K))
+            if WRITE_BLOCKS:
+                tl.store(gb_ptr + t64 * (stride_gbt * VEC) + tl.cast(tl.minimum(i, K - 1), tl.int64) * (
+                    stride_gbc * VEC) + cols, dv.to(gb_ptr.dtype.element_ty), mask=hmask & (i < K))
+            if COMPUTE_DW:
+                dw += (a_i * x).to(dw.dtype)
+    if WRITE_BLOCKS:
+        zeros = tl.zeros([BLOCK_C], dtype=gb_ptr.dtype.element_ty)
+        for tt in range(0, n_tok):
+            t64 = tl.cast(t_begin + tt, tl.int64)
+            for z in range(K, C):
+                tl.store(gb_ptr + t64 * (stride_gbt * VEC) + tl.cast(z, tl.int64) * (stride_gbc * VEC) + cols, zeros,
+                         mask=hmask)
+    if COMPUTE_DW:
+        tl.store(ws_ptr + tl.cast(pid, tl.int64) * H + cols, dw.to(ws_ptr.dtype.element_ty), mask=hmask)

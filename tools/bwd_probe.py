@@ -1,0 +1,84 @@
+"""Backward launch configurations timed side by side, with each kernel's share of the time (H200 tuning aid).
+
+For each shape (T, K) and each ``BackwardConfig`` (JSON ``{"name": {knobs}}`` or ``@file``, as ``bench_train
+--bwd-configs``; "default" is always included): the whole backward op timed like ``bench_train`` (plain launches,
+L2 flushed between calls, median), its fraction of copy bandwidth (the backward's own bytes, see
+``bench_train.backward_bytes``), and the device time per kernel from ``torch.profiler`` (so the two kernels of
+"stats_apply" show their shares). Usage (on a GPU):
+    python tools/bwd_probe.py @tools/tune_bwd3.json [--tokens 4096,16384] [--blocks 1,8] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from k3_ops import bench, bench_train  # noqa: E402
+from k3_ops.backends import cuda  # noqa: E402
+
+
+def kernel_times(fn, iters: int = 10) -> dict[str, float]:
+    """Mean device microseconds per call of each kernel launched by fn (torch.profiler, after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time / iters
+    return dict(sorted(total.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("configs", nargs="?", default="{}")
+    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--blocks", default="1,8")
+    ap.add_argument("--capacity", type=int, default=8)
+    ap.add_argument("--rep", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    text = Path(a.configs[1:]).read_text() if a.configs.startswith("@") else a.configs
+    configs = {"default": None, **{n: cuda.BackwardConfig(**kw) for n, kw in json.loads(text).items()}}
+    dev = torch.device("cuda")
+    bw = bench.copy_bandwidth(dev)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s  {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    H, C, dtype = 7168, a.capacity, torch.bfloat16
+    results = []
+    for T in (int(t) for t in a.tokens.split(",")):
+        for K in (int(k) for k in a.blocks.split(",")):
+            g = torch.Generator(device=dev).manual_seed(0)
+            blocks = torch.randn(T, C, H, device=dev, dtype=dtype, generator=g)
+            prefix = torch.randn(T, H, device=dev, dtype=dtype, generator=g)
+            gy = torch.randn(T, H, device=dev, dtype=dtype, generator=g)
+            nw = 1 + 0.1 * torch.randn(H, device=dev, generator=g)
+            pw = torch.randn(1, H, device=dev, generator=g) / H ** 0.5
+            nbytes = bench_train.backward_bytes(T, K, C, H, 2)
+            for name, cfg in configs.items():
+                def fn(cfg=cfg):
+                    return cuda.attn_res_backward(gy, prefix, blocks, nw, pw, K, 1e-6, [True, True, True],
+                                                  config=cfg)
+                us = bench_train._time_gpu(fn, a.rep)
+                kt = kernel_times(fn)
+                frac = nbytes / (us * 1e-6) / bw
+                parts = "  ".join(f"{k.split('_kernel')[0].replace('attn_res_bwd_', '')}={v:.0f}" for k, v in kt.items())
+                print(f"T={T:6d} K={K} {name:28s} {us:8.1f} us  of BW {frac:.3f}   [{parts}]", flush=True)
+                results.append(dict(T=T, K=K, config=name, us=us, of_bw=frac, kernels_us=kt))
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(copy_bw=bw, device=torch.cuda.get_device_name(),
+                                                torch=torch.__version__, commit=os.environ.get("K3_OPS_COMMIT"),
+                                                results=results), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
