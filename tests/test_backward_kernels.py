@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from k3_ops import reference
+from k3_ops.backends import next_power_of_2
 from k3_ops.testing import assert_accuracy_contract, error_stats
 
 from conftest import (Sample, bits_equal, grad_out_for, positional, requires_cuda, requires_interpreter,
@@ -35,12 +36,15 @@ def policy_backward(policy: str, *args, **kw):
     """Run one launch policy's attn_res_backward (both accept CPU tensors under the interpreter). "cuda" is the
     CUDA policy's default; "cuda-rows", "cuda-stats-apply" and "cuda-tiles" force one of its kernels
     (``BackwardConfig(kernel=...)``; rows and stats_apply hold a whole row, H <= 8192, tiles is the fallback for
-    wider rows). The stats_apply variant uses 16-column chunks so that the small test shapes span several."""
+    wider rows). Under the interpreter stats_apply gets four column chunks per row (at least 16 columns each) and
+    few programs, so that the small test shapes span several chunks and token ranges; on a GPU its defaults."""
     if policy.startswith("cuda"):
         from k3_ops.backends import cuda
 
+        small = dict(stats_programs_per_sm=3, apply_programs_per_sm=5,
+                     apply_block=max(16, next_power_of_2(args[0].size(-1)) // 4)) if args[0].device.type == "cpu" else {}
         forced = {"cuda-rows": dict(kernel="rows"), "cuda-tiles": dict(kernel="tiles"),
-                  "cuda-stats-apply": dict(kernel="stats_apply", apply_block=16)}
+                  "cuda-stats-apply": dict(kernel="stats_apply", **small)}
         if policy in forced:
             kw = dict(kw, config=cuda.BackwardConfig(**forced[policy]))
         return cuda.attn_res_backward(*args, **kw)
@@ -108,7 +112,6 @@ CASES = [
 POLICIES = ["cuda", "cuda-rows", "cuda-stats-apply", "cuda-tiles", "npu"]
 
 
-@requires_interpreter
 def test_cuda_backward_plan_resolution():
     """Which kernel and knobs the CUDA policy picks (no launch, any machine): the streaming kernel up to
     ROWS_BACKWARD_MAX_H, the tiles kernel beyond it or when asked, each with its own measured defaults unless the
@@ -144,6 +147,7 @@ def test_backward_config_rejects_bad_knobs(knobs, field):
         cuda.BackwardConfig(**knobs)
 
 
+@requires_interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("sample", sample_params(CASES))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build k3_ops in place on a GPU machine and run the named stages (stages after build need the same
 # shell, so name them in one call: tools/gpu_run.sh build tests bench); used for the H200 runs recorded in
-# docs/benchmarks.md. Stages: build, errors, ncu, testfiles, tests, bench, tune, main, train, fused (default: build tests bench).
+# docs/benchmarks.md. Stages: build, errors, ncu, testfiles, ptests, tests, bench, tune, main, train, fused (default: build tests bench).
 # Results (logs, JSON, PNG) go to $OUT (default ./gpu_out). Extra pytest arguments: PYTEST_ARGS.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -45,6 +45,24 @@ for stage in "${stages[@]}"; do
           >>"$OUT/pytest.log" 2>&1
         rc=$?; echo "$f rc=$rc: $(tail -1 "$OUT/pytest.log")"; [ $rc -eq 0 ] || status=1
       done
+      grep -a "kernel/eager" "$OUT/pytest.log" >"$OUT/accuracy.txt" || true ;;
+    ptests)
+      # testfiles, with TEST_GROUPS ("a.py b.py;c.py d.py"): the groups run concurrently (one GPU, many CPU
+      # cores: correctness only, never timings), each group's files one pytest process after another.
+      IFS=';' read -ra groups <<<"${TEST_GROUPS:?}"
+      pids=()
+      for gi in "${!groups[@]}"; do
+        ( for f in ${groups[$gi]}; do
+            timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -s -ra -p no:cacheprovider ${PYTEST_ARGS:-} "$f" \
+              >"$OUT/pytest_g$gi.$(basename "$f" .py).log" 2>&1
+            echo "$f rc=$?: $(tail -1 "$OUT/pytest_g$gi.$(basename "$f" .py).log")"
+          done ) >"$OUT/summary_g$gi.txt" &
+        pids+=($!)
+      done
+      wait "${pids[@]}"
+      cat "$OUT"/summary_g*.txt
+      grep -q "rc=[1-9]" "$OUT"/summary_g*.txt && status=1
+      cat "$OUT"/pytest_g*.log >"$OUT/pytest.log"; rm -f "$OUT"/pytest_g*.log "$OUT"/summary_g*.txt
       grep -a "kernel/eager" "$OUT/pytest.log" >"$OUT/accuracy.txt" || true ;;
     tests)
       timeout ${TEST_TIMEOUT:-1200} $PY -m pytest -q -ra ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -Ev "^(tests/|\.|s)+[ .sxEF]*\[ *[0-9]+%\]$" | tail -60

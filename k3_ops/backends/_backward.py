@@ -124,16 +124,24 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
                  WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64, NUM_STAGES=plan.num_stages,
                  **dict(plan.launch_options))
     if plan.kernel == "stats_apply":
-        assert plan.block_h >= H and not plan.df, "the statistics kernel holds a whole row and has no DF variant"
-        # Per-token scalars [T, N_SCALARS, K_PAD] FP32: O(T x K), the only tensor between the two kernels.
+        assert plan.block_h >= H and not plan.df, "stats_apply is the CUDA whole-row plan and has no DF variant"
+        # Three launches, tensors between them O(T x K): chunk partials of the statistics [T, chunks, 3, K_PAD],
+        # then the per-token scalars [T, N_SCALARS, K_PAD] FP32.
+        chunks = triton.cdiv(H, plan.apply_block)
+        part = torch.empty((T, chunks, 3, plan.k_pad), dtype=torch.float64 if plan.acc64 else torch.float32,
+                           device=dev)
         scalars = torch.empty((T, _bwd.N_SCALARS.value, plan.k_pad), dtype=torch.float32, device=dev)
         stats_tpp = triton.cdiv(T, max(1, min(plan.num_programs, T)))
-        _bwd.attn_res_bwd_stats_kernel[(triton.cdiv(T, stats_tpp),)](
-            gy, x, blocks, raw(nw), raw(pw), raw(scalars), T, K, H, float(eps), stats_tpp, *args[14:20],
-            BLOCK_H=plan.block_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, ACC64=plan.acc64,
+        _bwd.attn_res_bwd_stats_kernel[(triton.cdiv(T, stats_tpp), chunks)](
+            gy, x, blocks, raw(nw), raw(pw), raw(part), T, K, H, stats_tpp, *args[14:20],
+            BLOCK_C=plan.apply_block, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, ACC64=plan.acc64,
             NUM_STAGES=plan.num_stages, **dict(plan.launch_options))
+        sc_tpp = triton.cdiv(T, max(1, min(plan.apply_programs * chunks, T)))
+        _bwd.attn_res_bwd_scalars_kernel[(triton.cdiv(T, sc_tpp),)](
+            raw(part), raw(scalars), T, K, H, float(eps), chunks, sc_tpp, K_PAD=plan.k_pad,
+            CHUNKS_PAD=next_power_of_2(chunks), ACC64=plan.acc64, num_warps=1)
         apply_args = args[:5] + (raw(scalars),) + args[5:12] + args[13:]  # no eps
-        _bwd.attn_res_bwd_apply_kernel[(programs, triton.cdiv(H, plan.apply_block))](
+        _bwd.attn_res_bwd_apply_kernel[(programs, chunks)](
             *apply_args, BLOCK_C=plan.apply_block, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided,
             WRITE_PREFIX=want_prefix, WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64,
             NUM_STAGES=plan.apply_num_stages, **dict(plan.apply_options))

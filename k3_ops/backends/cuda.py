@@ -496,10 +496,10 @@ class BackwardConfig:
     acc64: FP64 per-token statistics / softmax backward / dw accumulation (the accuracy contract's margin; see
         kernels/attn_res_bwd.py). False is plain FP32: cheaper, but its error is the eager formula's size.
     maxnreg: register cap per thread (a CUDA compile option; None: ptxas decides).
-    apply_block, apply_warps, apply_stages, apply_programs_per_sm: "stats_apply" only: the apply kernel's column
-        chunk (a power of two), warps, pipelining depth and programs per SM (its grid is about SMs x
-        apply_programs_per_sm programs: token ranges x column chunks). kernel, programs_per_sm, num_warps and
-        num_stages then describe the statistics kernel.
+    apply_block: "stats_apply" only: columns per program (a power of two) of both of its kernels.
+    stats_programs_per_sm: "stats_apply" only: its statistics kernel's grid, about SMs x stats_programs_per_sm
+        programs (token ranges x column chunks); num_warps and num_stages describe that kernel.
+    apply_warps, apply_stages, apply_programs_per_sm: "stats_apply" only: the same for its apply kernel.
 
     Defaults: the fastest configuration timed on the H200 (docs/benchmarks.md, "Training"): the streaming kernel,
     8 warps, 2 stages, one program per SM, FP64 accumulation (ptxas for sm_90: 252 registers, no spills, at
@@ -517,15 +517,16 @@ class BackwardConfig:
     apply_warps: int = 4
     apply_stages: int = 3
     apply_programs_per_sm: int = 8
+    stats_programs_per_sm: int = 8
 
     def __post_init__(self):
         if self.apply_block < 16 or self.apply_block & (self.apply_block - 1):
             raise ValueError(f"BackwardConfig.apply_block must be a power of two >= 16, got {self.apply_block}")
         if self.apply_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"BackwardConfig.apply_warps must be a power of two in [1, 32], got {self.apply_warps}")
-        if self.apply_stages < 1 or self.apply_programs_per_sm < 1:
-            raise ValueError("BackwardConfig.apply_stages and apply_programs_per_sm must be >= 1, got "
-                             f"{self.apply_stages} and {self.apply_programs_per_sm}")
+        for name in ("apply_stages", "apply_programs_per_sm", "stats_programs_per_sm"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BackwardConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.programs_per_sm < 1:
             raise ValueError(f"BackwardConfig.programs_per_sm must be >= 1, got {self.programs_per_sm}")
         if self.tile_elems < 16 or self.tile_elems & (self.tile_elems - 1):
@@ -546,7 +547,7 @@ ROWS_BACKWARD_MAX_H = 8192
 
 #: Per-kernel (num_warps, num_stages) when the config leaves them None; each the fastest measured on the H200
 #: (docs/benchmarks.md, "Training"): rows 8 warps / 2 stages; tiles 8 warps / 3 stages (2048-element tiles).
-BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "stats_apply": (8, 2), "tiles": (8, 3)}
+BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "stats_apply": (4, 3), "tiles": (8, 3)}
 
 #: The default backward launch configuration; benchmarks pass ``config=`` to ``attn_res_backward`` instead.
 BACKWARD_CONFIG = BackwardConfig()
@@ -565,14 +566,16 @@ def choose_backward_plan(T: int, K: int, H: int, device: torch.device,
     if config.maxnreg and not use_interpreter(device):
         options.append(("maxnreg", config.maxnreg))  # a GPU compile option; the interpreter takes none
     apply = {}
+    programs = min(T, num_sms(device) * config.programs_per_sm)
     if kernel == "stats_apply":
+        # Both kernels: a (token ranges, column chunks) grid of about SMs x programs-per-SM programs.
         block = min(config.apply_block, next_power_of_2(H))
         chunks = triton.cdiv(H, block)
+        programs = min(T, triton.cdiv(num_sms(device) * config.stats_programs_per_sm, chunks))
         apply = dict(apply_block=block, apply_options=(("num_warps", config.apply_warps),),
                      apply_num_stages=config.apply_stages,
-                     apply_programs=min(T, max(1, triton.cdiv(num_sms(device) * config.apply_programs_per_sm,
-                                                              chunks))))
-    return _backward.BackwardPlan(num_programs=min(T, num_sms(device) * config.programs_per_sm), block_h=block_h,
+                     apply_programs=min(T, triton.cdiv(num_sms(device) * config.apply_programs_per_sm, chunks)))
+    return _backward.BackwardPlan(num_programs=programs, block_h=block_h,
                                   k_pad=k_pad, acc64=config.acc64, num_stages=config.num_stages or stages,
                                   kernel=kernel, launch_options=tuple(options), **apply)
 

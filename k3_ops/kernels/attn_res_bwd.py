@@ -472,44 +472,38 @@ def attn_res_bwd_dw_reduce_kernel(ws_ptr, out_ptr, P, H, BLOCK_P: tl.constexpr, 
 # order (zero on padding rows): p, gs, r, c, a (see _softmax_backward). A constexpr global: jitted code may read it.
 N_SCALARS = tl.constexpr(5)
 _STATS_RUNTIME_INTS = ["T", "K", "tokens_per_prog", "stride_gyt", "stride_pt", "stride_ph", "stride_bt", "stride_bc",
-                       "stride_bh"]
+                       "stride_bh"]  # (n_chunks is tl.num_programs(1))
 _APPLY_RUNTIME_INTS = _BWD_RUNTIME_INTS
 
 
 @triton.jit(do_not_specialize=_STATS_RUNTIME_INTS)
-def attn_res_bwd_stats_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, sc_ptr,
-                              T, K, H, eps, tokens_per_prog,
+def attn_res_bwd_stats_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, part_ptr,
+                              T, K, H, tokens_per_prog,
                               stride_gyt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh,
-                              BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
+                              BLOCK_C: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
                               ACC64: tl.constexpr, NUM_STAGES: tl.constexpr):
-    # First kernel of the "stats_apply" backward (CUDA, H <= BLOCK_H): only the per-token reductions. The rows
-    # kernel's stream without its second pass: K + 2 row loads per token (grad_out, v_0 .. v_K), the statistics of
-    # each row reduced as it arrives, then the softmax backward, whose [K_PAD] results (p, gs, r, c, a) go to
-    # sc[t] for attn_res_bwd_apply_kernel. Nothing of size H is written.
-    # FP64 statistics (ACC64) cost one FP32 -> FP64 conversion per element and row; w and grad_out are converted
-    # once (per program / per token) and kept in FP64 registers: conversions run at a quarter of the FP64 FMA
-    # rate on sm_90, so converting all three operands per row would cost three times the products themselves.
+    # First kernel of the "stats_apply" backward: the per-token reductions, split over column chunks. Grid (token
+    # ranges, column chunks of BLOCK_C), like the apply kernel: many small programs per SM hide each other's
+    # memory and reduction latency (the rows kernel's single 8-warp program per SM cannot: its statistics pass
+    # alone streamed at about a third of copy bandwidth on the H200). Per token, K + 2 row-chunk loads (grad_out,
+    # v_0 .. v_K); for each candidate the chunk's partial sum(v^2), <v, w>, <v, gy> go to
+    # part[t, chunk, 0..2, i] (FP64 under ACC64), summed over chunks in a fixed order by
+    # attn_res_bwd_scalars_kernel.
+    # FP64 statistics cost one FP32 -> FP64 conversion per element and row: w and grad_out are converted once
+    # (per program / per token) and kept in FP64 registers, since conversions run at a quarter of the FP64 FMA
+    # rate on sm_90 and converting all three operands per row would cost more than the products.
     pid = tl.program_id(0)
+    chunk = tl.program_id(1)
+    n_chunks = tl.num_programs(1)
+    cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+    hmask = cols < H
     t_begin = pid * tokens_per_prog
     n_tok = tl.maximum(tl.minimum(t_begin + tokens_per_prog, T) - t_begin, 0)
-    cols = tl.arange(0, BLOCK_H)
-    hmask = cols < H
-    rows = tl.arange(0, K_PAD)
-    valid = rows <= K
     w = (tl.load(nw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
          * tl.load(pw_ptr + cols, mask=hmask, other=0.0).to(tl.float32))  # folded in FP32, as the forward
-    if ACC64:
-        wd = w.to(tl.float64)
-        gyd = tl.zeros([BLOCK_H], dtype=tl.float64)
-        ss = tl.zeros([K_PAD], dtype=tl.float64)
-        d = tl.zeros([K_PAD], dtype=tl.float64)
-        g = tl.zeros([K_PAD], dtype=tl.float64)
-    else:
-        wd = w
-        gyd = tl.zeros([BLOCK_H], dtype=tl.float32)
-        ss = tl.zeros([K_PAD], dtype=tl.float32)
-        d = tl.zeros([K_PAD], dtype=tl.float32)
-        g = tl.zeros([K_PAD], dtype=tl.float32)
+    acc_t = tl.float64 if ACC64 else tl.float32
+    wd = w.to(acc_t)
+    gyd = tl.zeros([BLOCK_C], dtype=acc_t)
     per_tok = K + 2
     for j in tl.range(0, n_tok * per_tok, num_stages=NUM_STAGES):
         t64 = tl.cast(t_begin + j // per_tok, tl.int64)
@@ -525,23 +519,41 @@ def attn_res_bwd_stats_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, sc
             offs = cols
         x = tl.load(base + offs, mask=hmask, other=0.0).to(tl.float32)
         if st == 0:
-            gyd = x.to(gyd.dtype)
+            gyd = x.to(acc_t)
         else:
-            xd = x.to(gyd.dtype)
-            ss_i = tl.sum(xd * xd, axis=0)
-            d_i = tl.sum(xd * wd, axis=0)
-            g_i = tl.sum(xd * gyd, axis=0)
-            ss = tl.where(rows == i, ss_i, ss)
-            d = tl.where(rows == i, d_i, d)
-            g = tl.where(rows == i, g_i, g)
-            if st == K + 1:
-                p, gs, r, c, a = _softmax_backward(ss, d, g, valid, H, eps, ACC64)
-                out = sc_ptr + t64 * (N_SCALARS * K_PAD) + rows
-                tl.store(out, p)
-                tl.store(out + K_PAD, gs)
-                tl.store(out + 2 * K_PAD, r)
-                tl.store(out + 3 * K_PAD, c)
-                tl.store(out + 4 * K_PAD, a)
+            xd = x.to(acc_t)
+            out = part_ptr + ((t64 * n_chunks + chunk) * 3) * K_PAD + i
+            tl.store(out, tl.sum(xd * xd, axis=0))
+            tl.store(out + K_PAD, tl.sum(xd * wd, axis=0))
+            tl.store(out + 2 * K_PAD, tl.sum(xd * gyd, axis=0))
+
+
+@triton.jit(do_not_specialize=["T", "K", "n_chunks", "tokens_per_prog"])
+def attn_res_bwd_scalars_kernel(part_ptr, sc_ptr, T, K, H, eps, n_chunks, tokens_per_prog,
+                                K_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, ACC64: tl.constexpr):
+    # Between the two "stats_apply" kernels: per token, the chunk partials summed in a fixed order (one
+    # fixed-shape tile sum: identical bits run to run), then the softmax backward (_softmax_backward, as every
+    # backward kernel) into sc[t] = (p, gs, r, c, a) [N_SCALARS, K_PAD] FP32. O(T x K) work and bytes.
+    pid = tl.program_id(0)
+    t_begin = pid * tokens_per_prog
+    t_end = tl.minimum(t_begin + tokens_per_prog, T)
+    rows = tl.arange(0, K_PAD)
+    ch = tl.arange(0, CHUNKS_PAD)
+    valid = rows <= K
+    tile = ch[:, None] * (3 * K_PAD) + rows[None, :]
+    tmask = (ch < n_chunks)[:, None] & valid[None, :]
+    for t in range(t_begin, t_end):
+        base = part_ptr + tl.cast(t, tl.int64) * n_chunks * (3 * K_PAD)
+        ss = tl.sum(tl.load(base + tile, mask=tmask, other=0.0), axis=0)
+        d = tl.sum(tl.load(base + K_PAD + tile, mask=tmask, other=0.0), axis=0)
+        g = tl.sum(tl.load(base + 2 * K_PAD + tile, mask=tmask, other=0.0), axis=0)
+        p, gs, r, c, a = _softmax_backward(ss, d, g, valid, H, eps, ACC64)
+        out = sc_ptr + tl.cast(t, tl.int64) * (N_SCALARS * K_PAD) + rows
+        tl.store(out, p)
+        tl.store(out + K_PAD, gs)
+        tl.store(out + 2 * K_PAD, r)
+        tl.store(out + 3 * K_PAD, c)
+        tl.store(out + 4 * K_PAD, a)
 
 
 @triton.jit(do_not_specialize=_APPLY_RUNTIME_INTS)
