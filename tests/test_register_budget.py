@@ -39,9 +39,10 @@ def test_default_rows_plan_has_no_spills(budget):
 
 def test_default_fused_rows_plan_spills_little(budget):
     # The fused serving variant shares the plan (bit-exact mix); with every flag on it may spill a little in
-    # its once-per-token epilogue (measured: 92 bytes); ~1 KB, as with rows held in registers, made it 3x slower.
+    # its once-per-token epilogue: 92 bytes with triton 3.8 (CI), 132 with the H200's triton 3.6, where its
+    # benchmarks ran. The bound is there to catch ~1 KB, which (rows held in registers) made it 3x slower.
     r = budget["forward-default-fused"]
-    assert 0 <= r["spill_stores"] <= 128 and 0 <= r["spill_loads"] <= 128, r
+    assert 0 <= r["spill_stores"] <= 256 and 0 <= r["spill_loads"] <= 256, r
 
 
 @pytest.mark.parametrize("name", ["backward-default-kpad2", "backward-default-kpad16", "backward-tiles-kpad2",
