@@ -1,5 +1,8 @@
 """One backward launch at a training shape, for ``ncu`` (tools/gpu_run.sh stage ``ncu``): compiles first, then
-runs the measured launch between cudaProfilerStart/Stop so ncu can skip the compile-time launches."""
+runs the measured launch between cudaProfilerStart/Stop so ncu can skip the compile-time launches.
+K3_BWD_KERNEL=rows|stats_apply|tiles forces one backward kernel (default: the policy's choice)."""
+import os
+
 import torch
 
 import k3_ops  # noqa: F401
@@ -11,9 +14,11 @@ p = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
 b = torch.randn(T, C, H, device="cuda", dtype=torch.bfloat16, generator=g)
 gy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
 w = torch.ones(H, device="cuda")
-cuda.attn_res_backward(gy, p, b, w, w, K, 1e-6, [True, True, True])
+kernel = os.environ.get("K3_BWD_KERNEL")
+config = cuda.BackwardConfig(kernel=kernel) if kernel else None
+cuda.attn_res_backward(gy, p, b, w, w, K, 1e-6, [True, True, True], config=config)
 torch.cuda.synchronize()
 torch.cuda.cudart().cudaProfilerStart()
-cuda.attn_res_backward(gy, p, b, w, w, K, 1e-6, [True, True, True])
+cuda.attn_res_backward(gy, p, b, w, w, K, 1e-6, [True, True, True], config=config)
 torch.cuda.synchronize()
 torch.cuda.cudart().cudaProfilerStop()
