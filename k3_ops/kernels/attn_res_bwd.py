@@ -7,7 +7,7 @@ With gy = dL/d out, per token in FP32 (docs/attn_res.md "Backward"), recomputed 
     dv_i = p_i gy + gs_i (r_i w - (d_i r_i^3 / H) v_i)         -> grad_block_residual[t, i] (i < K), grad_prefix (i = K)
     dw   = sum_t sum_i gs_i r_i v_i                              -> grad_weight (folded w = norm_weight * proj_weight)
 
-Three kernels:
+The kernels:
 
 - ``attn_res_bwd_kernel`` (every device: Ascend, and CUDA for H > 8192 or ``BackwardConfig(kernel="tiles")``):
   a bounded grid of programs (a few per SM on CUDA, one per vector core on Ascend), program p walking the
@@ -22,6 +22,11 @@ Three kernels:
   kernel's layout: one [BLOCK_H = next_power_of_2(H)] row at a time over all warps, a program's tokens as one
   software-pipelined stream of 2 K + 3 row loads each, dw accumulated in registers. It lifts the tiles kernel's
   L1/shared-memory bound on the H200: 2.2-5.1x faster there (docs/benchmarks.md, "Training").
+- ``attn_res_bwd_stats_kernel``, ``attn_res_bwd_scalars_kernel``, ``attn_res_bwd_apply_kernel`` (CUDA, opt-in:
+  ``BackwardConfig(kernel="stats_apply")``): the same gradients split in two streams on (token range, column
+  chunk) grids: chunk partials of the statistics, then per-token scalars (fixed-order chunk sum + softmax
+  backward), then the element-wise dv / dw pass. Reads the inputs twice, but no step waits on a cross-warp
+  reduction chain of a single program per SM (docs/attn_res_backward.md; H200 figures in docs/benchmarks.md).
 - ``attn_res_bwd_dw_reduce_kernel``: the weight gradient. Each program of the first kernel accumulates its
   tokens' contributions into its own row of a workspace [num_programs, H] (FP64; FP32 without ACC64) with no
   atomics (a row has one writer), and this kernel sums the rows in a fixed order (fixed-shape tile sums, then
