@@ -113,14 +113,24 @@ POLICIES = ["cuda", "cuda-rows", "cuda-stats-apply", "cuda-tiles", "npu"]
 
 
 def test_cuda_backward_plan_resolution():
-    """Which kernel and knobs the CUDA policy picks (no launch, any machine): the streaming kernel up to
-    ROWS_BACKWARD_MAX_H, the tiles kernel beyond it or when asked, each with its own measured defaults unless the
-    config overrides them; the register cap is a GPU compile option only."""
+    """Which kernel and knobs the CUDA policy picks (no launch, any machine): the stats/apply split up to
+    ROWS_BACKWARD_MAX_H (its grids about SMs x programs-per-SM programs over 1024-column chunks), the rows kernel
+    when asked, the tiles kernel beyond that width or when asked, each with its own measured defaults unless the
+    config overrides them; the reduction's warps are its own; the register cap is a GPU compile option only."""
     from k3_ops.backends import cuda
 
     cpu, gpu_like = torch.device("cpu"), torch.device("cuda", 0)
-    rows = cuda.choose_backward_plan(4096, 8, 7168, cpu)
-    assert (rows.kernel, rows.block_h, rows.k_pad) == ("rows", 8192, 16)
+    split = cuda.choose_backward_plan(4096, 8, 7168, cpu)
+    cfg, sms = cuda.BackwardConfig(), cuda.num_sms(cpu)
+    assert (split.kernel, split.block_h, split.k_pad, split.apply_block) == ("stats_apply", 8192, 16, 1024)
+    assert (dict(split.launch_options)["num_warps"], split.num_stages) == cuda.BACKWARD_KERNEL_DEFAULTS["stats_apply"]
+    assert split.num_programs == -(-sms * cfg.stats_programs_per_sm // 7)  # 7 chunks of 1024 columns
+    assert split.apply_programs == -(-sms * cfg.apply_programs_per_sm // 7)
+    assert dict(split.apply_options)["num_warps"] == cfg.apply_warps and split.apply_num_stages == cfg.apply_stages
+    assert dict(split.reduce_options)["num_warps"] == cuda.REDUCE_NUM_WARPS
+    assert cuda.choose_backward_plan(3, 8, 7168, cpu).num_programs == 3, "never more token ranges than tokens"
+    rows = cuda.choose_backward_plan(4096, 8, 7168, cpu, cuda.BackwardConfig(kernel="rows"))
+    assert (rows.kernel, rows.block_h, rows.k_pad, rows.num_programs) == ("rows", 8192, 16, sms)
     assert (dict(rows.launch_options)["num_warps"], rows.num_stages) == cuda.BACKWARD_KERNEL_DEFAULTS["rows"]
     wide = cuda.choose_backward_plan(4096, 8, cuda.ROWS_BACKWARD_MAX_H + 1, cpu)
     assert wide.kernel == "tiles" and wide.block_h * wide.k_pad == cuda.BackwardConfig().tile_elems

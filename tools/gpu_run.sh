@@ -33,7 +33,7 @@ for stage in "${stages[@]}"; do
           >"$OUT/gdb.txt" 2>&1; grep -E "^#|signal" "$OUT/gdb.txt" | head -16 | cut -c1-300; } ;;
     ncu)
       # Hardware counters of one backward launch of the default kernel (NCU_KERNEL; METHOD.md: leave the clocks alone).
-      ncu --clock-control none --profile-from-start off -k regex:${NCU_KERNEL:-attn_res_bwd_rows_kernel} -c 1 \
+      ncu --clock-control none --profile-from-start off -k regex:${NCU_KERNEL:-attn_res_bwd_stats_kernel} -c 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
         --section LaunchStats --section SchedulerStats $PY tools/profile_bwd.py >"$OUT/ncu.txt" 2>&1 || status=1
       grep -vE "^==PROF==|^ *-+ *$" "$OUT/ncu.txt" | grep -E "Throughput|Duration|Hit|Occupancy|Stall|Warp Cycles|Registers|Shared|Block Limit|Issued|Eligible|Active Warps|L2|DRAM|One or More" | head -60 ;;

@@ -99,11 +99,14 @@ def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fuse
     return k.asm["ptx"], k.metadata.shared
 
 
-def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=True, maxnreg=None, kernel="tiles"):
+def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=True, maxnreg=None, kernel="tiles",
+        block=1024):
     """The backward gradient kernel (all outputs), as the CUDA policy launches it ("rows": the streaming kernel,
-    one [8192] row per step)."""
+    one [8192] row per step; "stats" / "apply": the two streams of the stats_apply split, ``block`` columns)."""
     from k3_ops.kernels import attn_res_bwd
 
+    if kernel in ("stats", "apply"):
+        return split_bwd(kernel, dtype, k_pad, block, num_warps, num_stages, acc64)
     fn = attn_res_bwd.attn_res_bwd_rows_kernel if kernel == "rows" else attn_res_bwd.attn_res_bwd_kernel
     sig = {"gy_ptr": f"*{dtype}", "prefix_ptr": f"*{dtype}", "blocks_ptr": f"*{dtype}", "nw_ptr": "*fp32",
            "pw_ptr": "*fp32", "gp_ptr": f"*{dtype}", "gb_ptr": f"*{dtype}", "ws_ptr": "*fp64" if acc64 else "*fp32",
@@ -121,6 +124,30 @@ def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=Tru
     src = _source(fn, sig, const)
     opts = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     k = triton.compile(src, target=TARGET, options=opts)
+    return k.asm["ptx"], k.metadata.shared
+
+
+def split_bwd(which: str, dtype: str, k_pad: int, block: int, num_warps: int, num_stages: int, acc64: bool):
+    from k3_ops.kernels import attn_res_bwd
+
+    acc = "*fp64" if acc64 else "*fp32"
+    sig = {"gy_ptr": f"*{dtype}", "prefix_ptr": f"*{dtype}", "blocks_ptr": f"*{dtype}", "nw_ptr": "*fp32",
+           "pw_ptr": "*fp32"}
+    ints = ["T", "K", "H", "tokens_per_prog", "stride_gyt", "stride_pt", "stride_ph", "stride_bt", "stride_bc",
+            "stride_bh"]
+    const = dict(BLOCK_C=block, K_PAD=k_pad, VEC=8 if dtype != "fp32" else 4, H_STRIDED=False, ACC64=acc64,
+                 NUM_STAGES=num_stages)
+    if which == "stats":
+        fn = attn_res_bwd.attn_res_bwd_stats_kernel
+        sig["part_ptr"] = acc
+    else:
+        fn = attn_res_bwd.attn_res_bwd_apply_kernel
+        sig.update({"sc_ptr": "*fp32", "gp_ptr": f"*{dtype}", "gb_ptr": f"*{dtype}", "ws_ptr": acc})
+        ints += ["C", "stride_gpt", "stride_gbt", "stride_gbc"]
+        const.update(WRITE_PREFIX=True, WRITE_BLOCKS=True, COMPUTE_DW=True)
+    sig.update({n: "i32" for n in ints})
+    sig.update({n: "constexpr" for n in const})
+    k = triton.compile(_source(fn, sig, const), target=TARGET, options={"num_warps": num_warps})
     return k.asm["ptx"], k.metadata.shared
 
 
@@ -159,18 +186,25 @@ def budget_cases() -> list[tuple[str, str, dict]]:
 
     plan = cuda.LAUNCH_TABLE[(cuda.bucket(16384, cuda.T_BUCKETS), cuda.bucket(8, cuda.K_BUCKETS))]
     fwd = dict(num_warps=plan.num_warps or 4, prefetch=plan.prefetch, num_stages=plan.num_stages)
-    def bwd_kw(k_pad: int) -> dict:
-        p = cuda.choose_backward_plan(4096, k_pad - 1, 7168, torch.device("cpu"))
-        return dict(kernel=p.kernel, tile=p.block_h * p.k_pad, num_warps=dict(p.launch_options)["num_warps"],
-                    num_stages=p.num_stages, acc64=p.acc64, k_pad=k_pad)
+    def bwd_kw(k_pad: int, config=None) -> list[tuple[str, dict]]:
+        """("", kw) for a one-kernel plan; ("", stats kw), ("-apply", apply kw) for the stats_apply split."""
+        p = cuda.choose_backward_plan(4096, k_pad - 1, 7168, torch.device("cpu"), config)
+        kw = dict(kernel=p.kernel, tile=p.block_h * p.k_pad, num_warps=dict(p.launch_options)["num_warps"],
+                  num_stages=p.num_stages, acc64=p.acc64, k_pad=k_pad)
+        if p.kernel != "stats_apply":
+            return [("", kw)]
+        return [("", dict(kw, kernel="stats", block=p.apply_block)),
+                ("-apply", dict(kw, kernel="apply", block=p.apply_block, num_warps=dict(p.apply_options)["num_warps"],
+                                num_stages=p.apply_num_stages))]
 
     tiles = cuda.BackwardConfig(kernel="tiles")
     tp = cuda.choose_backward_plan(4096, 15, 7168, torch.device("cpu"), tiles)
     tiles_kw = dict(tile=tiles.tile_elems, num_warps=dict(tp.launch_options)["num_warps"], num_stages=tp.num_stages,
                     acc64=tiles.acc64)
     return [("forward-default", "fwd", fwd), ("forward-default-fused", "fwd", dict(fwd, fused=FUSED_ALL)),
-            ("backward-default-kpad16", "bwd", bwd_kw(16)),
-            ("backward-default-kpad2", "bwd", bwd_kw(2)),
+            *[(f"backward-default{suffix}-kpad{k}", "bwd", kw) for k in (16, 2) for suffix, kw in bwd_kw(k)],
+            *[(f"backward-rows-kpad{k}", "bwd", kw) for k in (16, 2)
+              for _, kw in bwd_kw(k, cuda.BackwardConfig(kernel="rows"))],
             ("backward-tiles-kpad16", "bwd", dict(tiles_kw, k_pad=16)),
             ("backward-tiles-kpad2", "bwd", dict(tiles_kw, k_pad=2))]
 

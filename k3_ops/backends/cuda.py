@@ -484,10 +484,13 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
 class BackwardConfig:
     """Knobs of the backward launch (tuned on the H200 with ``python -m k3_ops.bench_train``).
 
-    kernel: "rows" (default; ``attn_res_bwd_rows_kernel``, the streaming kernel: one whole row per step over all
-        warps, H <= ROWS_BACKWARD_MAX_H, wider H falls back to "tiles") or "tiles" (``attn_res_bwd_kernel``:
-        [K_PAD, BLOCK_H] candidate tiles of ``tile_elems`` elements, two passes per token; the Ascend algorithm).
-    programs_per_sm: gradient-kernel programs per SM; grid = min(T, SMs x programs_per_sm), each program walking
+    kernel: "stats_apply" (default; the two-stream split: ``attn_res_bwd_stats_kernel``, then
+        ``attn_res_bwd_scalars_kernel``, then ``attn_res_bwd_apply_kernel``, on (token range, column chunk)
+        grids), "rows" (``attn_res_bwd_rows_kernel``, the single-read streaming kernel: one whole row per step
+        over all warps) or "tiles" (``attn_res_bwd_kernel``: [K_PAD, BLOCK_H] candidate tiles of ``tile_elems``
+        elements, two passes per token; the Ascend algorithm). stats_apply and rows need H <= ROWS_BACKWARD_MAX_H;
+        wider rows fall back to "tiles".
+    programs_per_sm: rows / tiles: programs per SM; grid = min(T, SMs x programs_per_sm), each program walking
         a contiguous token range (a larger grid also means a larger dw workspace, [grid, H] fp64).
     num_warps, num_stages: warps per program and software-pipelining depth (shared-memory stages; 1 = none);
         None takes the resolved kernel's measured default from ``BACKWARD_KERNEL_DEFAULTS``.
@@ -501,12 +504,12 @@ class BackwardConfig:
         programs (token ranges x column chunks); num_warps and num_stages describe that kernel.
     apply_warps, apply_stages, apply_programs_per_sm: "stats_apply" only: the same for its apply kernel.
 
-    Defaults: the fastest configuration timed on the H200 (docs/benchmarks.md, "Training"): the streaming kernel,
-    8 warps, 2 stages, one program per SM, FP64 accumulation (ptxas for sm_90: 252 registers, no spills, at
-    K_PAD 16); 2.2x (K = 1) to 5.1x (K = 8) faster than the best "tiles" configuration at T = 4096..16384.
+    Defaults: the fastest configuration timed on the H200 (docs/benchmarks.md, "Training"): the split with
+    2-warp programs over 1024-column chunks, 16 programs per SM for each stream, 3 stages, FP64 statistics and dw
+    accumulation. Per-kernel warps / stages when left None: ``BACKWARD_KERNEL_DEFAULTS``.
     """
 
-    kernel: str = "rows"
+    kernel: str = "stats_apply"
     programs_per_sm: int = 1
     num_warps: int | None = None
     num_stages: int | None = None
@@ -514,10 +517,10 @@ class BackwardConfig:
     acc64: bool = True
     maxnreg: int | None = None
     apply_block: int = 1024
-    apply_warps: int = 4
+    apply_warps: int = 2
     apply_stages: int = 3
-    apply_programs_per_sm: int = 8
-    stats_programs_per_sm: int = 8
+    apply_programs_per_sm: int = 16
+    stats_programs_per_sm: int = 16
 
     def __post_init__(self):
         if self.apply_block < 16 or self.apply_block & (self.apply_block - 1):
@@ -542,12 +545,17 @@ class BackwardConfig:
             raise ValueError(f"BackwardConfig.maxnreg must be in [24, 255] or None, got {self.maxnreg}")
 
 
-#: The widest row the streaming backward holds in registers (larger H uses the tiles kernel).
+#: The widest row the rows backward holds in registers (larger H uses the tiles kernel; stats_apply shares the
+#: bound, its statistics kernel being the newer, less-tested path for wide rows).
 ROWS_BACKWARD_MAX_H = 8192
 
 #: Per-kernel (num_warps, num_stages) when the config leaves them None; each the fastest measured on the H200
-#: (docs/benchmarks.md, "Training"): rows 8 warps / 2 stages; tiles 8 warps / 3 stages (2048-element tiles).
-BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "stats_apply": (4, 3), "tiles": (8, 3)}
+#: (docs/benchmarks.md, "Training"): rows 8 warps / 2 stages; stats_apply's statistics kernel 2 warps / 3 stages;
+#: tiles 8 warps / 3 stages (2048-element tiles).
+BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "stats_apply": (2, 3), "tiles": (8, 3)}
+
+#: Warps of the weight-gradient reduction, whatever the gradient kernel's (8: what rows and tiles always used).
+REDUCE_NUM_WARPS = 8
 
 #: The default backward launch configuration; benchmarks pass ``config=`` to ``attn_res_backward`` instead.
 BACKWARD_CONFIG = BackwardConfig()
@@ -577,7 +585,8 @@ def choose_backward_plan(T: int, K: int, H: int, device: torch.device,
                      apply_programs=min(T, triton.cdiv(num_sms(device) * config.apply_programs_per_sm, chunks)))
     return _backward.BackwardPlan(num_programs=programs, block_h=block_h,
                                   k_pad=k_pad, acc64=config.acc64, num_stages=config.num_stages or stages,
-                                  kernel=kernel, launch_options=tuple(options), **apply)
+                                  kernel=kernel, launch_options=tuple(options), **apply,
+                                  reduce_options=(("num_warps", REDUCE_NUM_WARPS),))
 
 
 def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
