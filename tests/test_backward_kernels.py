@@ -113,13 +113,20 @@ POLICIES = ["cuda", "cuda-rows", "cuda-stats-apply", "cuda-tiles", "npu"]
 
 
 def test_cuda_backward_plan_resolution():
-    """Which kernel and knobs the CUDA policy picks (no launch, any machine): the stats/apply split up to
-    ROWS_BACKWARD_MAX_H (its grids about SMs x programs-per-SM programs over 1024-column chunks), the rows kernel
-    when asked, the tiles kernel beyond that width or when asked, each with its own measured defaults unless the
-    config overrides them; the reduction's warps are its own; the register cap is a GPU compile option only."""
+    """Which kernel and knobs the CUDA policy picks (no launch, any machine): by default the stats/apply split
+    from SPLIT_BACKWARD_MIN_ROWS token-candidate rows on (its grids about SMs x programs-per-SM programs over
+    1024-column chunks) and the rows kernel below, both up to ROWS_BACKWARD_MAX_H; the tiles kernel beyond that
+    width or when asked; each with its own measured defaults unless the config overrides them; the reduction's
+    warps are its own; the register cap is a GPU compile option only."""
     from k3_ops.backends import cuda
 
     cpu, gpu_like = torch.device("cpu"), torch.device("cuda", 0)
+    n = cuda.SPLIT_BACKWARD_MIN_ROWS
+    assert n % 16 == 0
+    assert cuda.choose_backward_plan(n // 16, 15, 7168, cpu).kernel == "stats_apply"  # exactly n rows
+    assert cuda.choose_backward_plan(n // 16 - 1, 15, 7168, cpu).kernel == "rows"
+    assert cuda.choose_backward_plan(4096, 1, 7168, cpu).kernel == "rows"  # measured: rows 1.26x faster
+    assert cuda.choose_backward_plan(16384, 1, 7168, cpu).kernel == "stats_apply"  # measured: split 1.09x faster
     split = cuda.choose_backward_plan(4096, 8, 7168, cpu)
     cfg, sms = cuda.BackwardConfig(), cuda.num_sms(cpu)
     assert (split.kernel, split.block_h, split.k_pad, split.apply_block) == ("stats_apply", 8192, 16, 1024)
@@ -128,7 +135,8 @@ def test_cuda_backward_plan_resolution():
     assert split.apply_programs == -(-sms * cfg.apply_programs_per_sm // 7)
     assert dict(split.apply_options)["num_warps"] == cfg.apply_warps and split.apply_num_stages == cfg.apply_stages
     assert dict(split.reduce_options)["num_warps"] == cuda.REDUCE_NUM_WARPS
-    assert cuda.choose_backward_plan(3, 8, 7168, cpu).num_programs == 3, "never more token ranges than tokens"
+    forced = cuda.BackwardConfig(kernel="stats_apply")
+    assert cuda.choose_backward_plan(3, 8, 7168, cpu, forced).num_programs == 3, "never more token ranges than tokens"
     rows = cuda.choose_backward_plan(4096, 8, 7168, cpu, cuda.BackwardConfig(kernel="rows"))
     assert (rows.kernel, rows.block_h, rows.k_pad, rows.num_programs) == ("rows", 8192, 16, sms)
     assert (dict(rows.launch_options)["num_warps"], rows.num_stages) == cuda.BACKWARD_KERNEL_DEFAULTS["rows"]
@@ -314,7 +322,8 @@ def test_cuda_each_kernel_contract(sample: Sample, policy: str):
     forced = cuda.BackwardConfig(kernel=kernel)
     assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev, forced).kernel == kernel
     assert cuda.choose_backward_plan(sample.T, sample.K, 8193, cuda_dev, forced).kernel == "tiles"
-    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev).kernel == cuda.BACKWARD_CONFIG.kernel
+    auto = "stats_apply" if sample.T * (sample.K + 1) >= cuda.SPLIT_BACKWARD_MIN_ROWS else "rows"
+    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev).kernel == auto
 
 
 @requires_cuda

@@ -45,8 +45,8 @@ def test_default_fused_rows_plan_spills_little(budget):
     assert 0 <= r["spill_stores"] <= 256 and 0 <= r["spill_loads"] <= 256, r
 
 
-@pytest.mark.parametrize("name", ["backward-default-kpad2", "backward-default-kpad16", "backward-default-apply-kpad2",
-                                  "backward-default-apply-kpad16", "backward-rows-kpad2", "backward-rows-kpad16",
+@pytest.mark.parametrize("name", ["backward-split-kpad2", "backward-split-kpad16", "backward-split-apply-kpad2",
+                                  "backward-split-apply-kpad16", "backward-rows-kpad2", "backward-rows-kpad16",
                                   "backward-tiles-kpad2", "backward-tiles-kpad16"])
 def test_default_backward_plan_has_no_spills(budget, name):
     r = budget[name]

@@ -181,7 +181,8 @@ BACKWARD_CASES = [
 
 def budget_cases() -> list[tuple[str, str, dict]]:
     """The plans the CUDA policy launches by default (read from the live launch table and backward config; the
-    backward at H = 7168, i.e. the streaming kernel), and the tiles backward it falls back to for H > 8192."""
+    backward at H = 7168: both kernels "auto" picks between, the stats/apply split's two streams and the rows
+    kernel), and the tiles backward it falls back to for H > 8192."""
     from k3_ops.backends import cuda
 
     plan = cuda.LAUNCH_TABLE[(cuda.bucket(16384, cuda.T_BUCKETS), cuda.bucket(8, cuda.K_BUCKETS))]
@@ -202,7 +203,8 @@ def budget_cases() -> list[tuple[str, str, dict]]:
     tiles_kw = dict(tile=tiles.tile_elems, num_warps=dict(tp.launch_options)["num_warps"], num_stages=tp.num_stages,
                     acc64=tiles.acc64)
     return [("forward-default", "fwd", fwd), ("forward-default-fused", "fwd", dict(fwd, fused=FUSED_ALL)),
-            *[(f"backward-default{suffix}-kpad{k}", "bwd", kw) for k in (16, 2) for suffix, kw in bwd_kw(k)],
+            *[(f"backward-split{suffix}-kpad{k}", "bwd", kw) for k in (16, 2)
+              for suffix, kw in bwd_kw(k, cuda.BackwardConfig(kernel="stats_apply"))],
             *[(f"backward-rows-kpad{k}", "bwd", kw) for k in (16, 2)
               for _, kw in bwd_kw(k, cuda.BackwardConfig(kernel="rows"))],
             ("backward-tiles-kpad16", "bwd", dict(tiles_kw, k_pad=16)),

@@ -484,7 +484,8 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
 class BackwardConfig:
     """Knobs of the backward launch (tuned on the H200 with ``python -m k3_ops.bench_train``).
 
-    kernel: "stats_apply" (default; the two-stream split: ``attn_res_bwd_stats_kernel``, then
+    kernel: "auto" (default: "stats_apply" when T x (K + 1) >= SPLIT_BACKWARD_MIN_ROWS, else "rows"),
+        "stats_apply" (the two-stream split: ``attn_res_bwd_stats_kernel``, then
         ``attn_res_bwd_scalars_kernel``, then ``attn_res_bwd_apply_kernel``, on (token range, column chunk)
         grids), "rows" (``attn_res_bwd_rows_kernel``, the single-read streaming kernel: one whole row per step
         over all warps) or "tiles" (``attn_res_bwd_kernel``: [K_PAD, BLOCK_H] candidate tiles of ``tile_elems``
@@ -504,12 +505,14 @@ class BackwardConfig:
         programs (token ranges x column chunks); num_warps and num_stages describe that kernel.
     apply_warps, apply_stages, apply_programs_per_sm: "stats_apply" only: the same for its apply kernel.
 
-    Defaults: the fastest configuration timed on the H200 (docs/benchmarks.md, "Training"): the split with
+    Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training"): the split with
     2-warp programs over 1024-column chunks, 16 programs per SM for each stream, 3 stages, FP64 statistics and dw
-    accumulation. Per-kernel warps / stages when left None: ``BACKWARD_KERNEL_DEFAULTS``.
+    accumulation (1.09-1.31x faster than rows at T = 4096 K = 8 and T = 16384 K = 1, 8), rows below the
+    threshold (its single launch won by 1.26x at T = 4096, K = 1, where the split's four launches cost host
+    time). Per-kernel warps / stages when left None: ``BACKWARD_KERNEL_DEFAULTS``.
     """
 
-    kernel: str = "stats_apply"
+    kernel: str = "auto"
     programs_per_sm: int = 1
     num_warps: int | None = None
     num_stages: int | None = None
@@ -534,8 +537,9 @@ class BackwardConfig:
             raise ValueError(f"BackwardConfig.programs_per_sm must be >= 1, got {self.programs_per_sm}")
         if self.tile_elems < 16 or self.tile_elems & (self.tile_elems - 1):
             raise ValueError(f"BackwardConfig.tile_elems must be a power of two >= 16, got {self.tile_elems}")
-        if self.kernel not in ("tiles", "rows", "stats_apply"):
-            raise ValueError(f"BackwardConfig.kernel must be 'rows', 'stats_apply' or 'tiles', got {self.kernel!r}")
+        if self.kernel not in ("auto", "tiles", "rows", "stats_apply"):
+            raise ValueError("BackwardConfig.kernel must be 'auto', 'stats_apply', 'rows' or 'tiles', got "
+                             f"{self.kernel!r}")
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"BackwardConfig.num_stages must be >= 1 or None, got {self.num_stages}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16, 32):
@@ -554,6 +558,11 @@ ROWS_BACKWARD_MAX_H = 8192
 #: tiles 8 warps / 3 stages (2048-element tiles).
 BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "stats_apply": (2, 3), "tiles": (8, 3)}
 
+#: "auto" picks the stats/apply split from this many token-candidate rows, T x (K + 1), on: measured on the H200
+#: at 8192 (T = 4096, K = 1: rows 1.26x faster), 32768 and 36864 (the split 1.09x and 1.26x faster); the
+#: threshold sits between them, unmeasured in that gap.
+SPLIT_BACKWARD_MIN_ROWS = 16384
+
 #: Warps of the weight-gradient reduction, whatever the gradient kernel's (8: what rows and tiles always used).
 REDUCE_NUM_WARPS = 8
 
@@ -567,7 +576,10 @@ def choose_backward_plan(T: int, K: int, H: int, device: torch.device,
     config = config or BACKWARD_CONFIG
     k_pad = next_power_of_2(K + 1)
     whole_row = next_power_of_2(H) <= ROWS_BACKWARD_MAX_H
-    kernel = config.kernel if config.kernel != "tiles" and whole_row else "tiles"
+    kernel = config.kernel
+    if kernel == "auto":
+        kernel = "stats_apply" if T * (K + 1) >= SPLIT_BACKWARD_MIN_ROWS else "rows"
+    kernel = kernel if kernel != "tiles" and whole_row else "tiles"
     block_h = next_power_of_2(H) if kernel != "tiles" else min(next_power_of_2(H), max(16, config.tile_elems // k_pad))
     warps, stages = BACKWARD_KERNEL_DEFAULTS[kernel]
     options = [("num_warps", config.num_warps or warps)]
