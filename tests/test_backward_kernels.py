@@ -155,7 +155,11 @@ def test_cuda_backward_plan_resolution():
 @pytest.mark.parametrize("knobs, field", [(dict(kernel="fast"), "kernel"), (dict(num_warps=3), "num_warps"),
                                           (dict(num_stages=0), "num_stages"), (dict(maxnreg=300), "maxnreg"),
                                           (dict(tile_elems=100), "tile_elems"), (dict(programs_per_sm=0),
-                                                                                 "programs_per_sm")],
+                                                                                 "programs_per_sm"),
+                                          (dict(apply_block=1000), "apply_block"), (dict(apply_warps=3), "apply_warps"),
+                                          (dict(apply_stages=0), "apply_stages"),
+                                          (dict(apply_programs_per_sm=0), "apply_programs_per_sm"),
+                                          (dict(stats_programs_per_sm=0), "stats_programs_per_sm")],
                          ids=lambda v: v if isinstance(v, str) else None)
 def test_backward_config_rejects_bad_knobs(knobs, field):
     from k3_ops.backends import cuda
