@@ -4,7 +4,8 @@ For each shape (T, K) and each ``BackwardConfig`` (JSON ``{"name": {knobs}}`` or
 --bwd-configs``; "default" is always included): the whole backward op timed like ``bench_train`` (plain launches,
 L2 flushed between calls, median), its fraction of copy bandwidth (the backward's own bytes, see
 ``bench_train.backward_bytes``), and the device time per kernel from ``torch.profiler`` (so the two kernels of
-"stats_apply" show their shares). Usage (on a GPU):
+"stats_apply" show their shares). A config may also set "REDUCE_BLOCK_P" / "REDUCE_BLOCK_H" (the weight-gradient
+reduction's tile, module constants of k3_ops.backends._backward, set for that config's timings only). Usage (on a GPU):
     python tools/bwd_probe.py @tools/tune_bwd3.json [--tokens 4096,16384] [--blocks 1,8] [--json out.json]
 """
 from __future__ import annotations
@@ -20,7 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3_ops import bench, bench_train  # noqa: E402
-from k3_ops.backends import cuda  # noqa: E402
+from k3_ops.backends import _backward, cuda  # noqa: E402
+
+REDUCE_KNOBS = ("REDUCE_BLOCK_P", "REDUCE_BLOCK_H")
 
 
 def kernel_times(fn, iters: int = 10) -> dict[str, float]:
@@ -48,7 +51,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     text = Path(a.configs[1:]).read_text() if a.configs.startswith("@") else a.configs
-    configs = {"default": None, **{n: cuda.BackwardConfig(**kw) for n, kw in json.loads(text).items()}}
+    configs, reduce_tiles = {"default": None}, {}
+    for n, kw in json.loads(text).items():
+        reduce_tiles[n] = {k: kw.pop(k) for k in REDUCE_KNOBS if k in kw}
+        configs[n] = cuda.BackwardConfig(**kw)
+    defaults = {k: getattr(_backward, k) for k in REDUCE_KNOBS}
     dev = torch.device("cuda")
     bw = bench.copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s  {torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -64,15 +71,21 @@ def main(argv: list[str]) -> int:
             pw = torch.randn(1, H, device=dev, generator=g) / H ** 0.5
             nbytes = bench_train.backward_bytes(T, K, C, H, 2)
             for name, cfg in configs.items():
+                for k, v in {**defaults, **reduce_tiles.get(name, {})}.items():
+                    setattr(_backward, k, v)
+
                 def fn(cfg=cfg):
                     return cuda.attn_res_backward(gy, prefix, blocks, nw, pw, K, 1e-6, [True, True, True],
                                                   config=cfg)
                 us = bench_train._time_gpu(fn, a.rep)
                 kt = kernel_times(fn)
                 frac = nbytes / (us * 1e-6) / bw
+                gpu_us = sum(kt.values())  # device time of the kernels alone (no host launch gaps)
                 parts = "  ".join(f"{k.split('_kernel')[0].replace('attn_res_bwd_', '')}={v:.0f}" for k, v in kt.items())
-                print(f"T={T:6d} K={K} {name:28s} {us:8.1f} us  of BW {frac:.3f}   [{parts}]", flush=True)
-                results.append(dict(T=T, K=K, config=name, us=us, of_bw=frac, kernels_us=kt))
+                print(f"T={T:6d} K={K} {name:18s} {us:7.1f} us of BW {frac:.3f} | kernels {gpu_us:7.1f} us of BW "
+                      f"{nbytes / (gpu_us * 1e-6) / bw:.3f} [{parts}]", flush=True)
+                results.append(dict(T=T, K=K, config=name, us=us, of_bw=frac, kernels_us=kt, kernels_sum_us=gpu_us,
+                                    kernels_of_bw=nbytes / (gpu_us * 1e-6) / bw))
     if a.json:
         Path(a.json).write_text(json.dumps(dict(copy_bw=bw, device=torch.cuda.get_device_name(),
                                                 torch=torch.__version__, commit=os.environ.get("K3_OPS_COMMIT"),

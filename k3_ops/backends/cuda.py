@@ -506,10 +506,11 @@ class BackwardConfig:
     apply_warps, apply_stages, apply_programs_per_sm: "stats_apply" only: the same for its apply kernel.
 
     Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training"): the split with
-    2-warp programs over 1024-column chunks, 16 programs per SM for each stream, 3 stages, FP64 statistics and dw
-    accumulation (1.09-1.31x faster than rows at T = 4096 K = 8 and T = 16384 K = 1, 8), rows below the
-    threshold (its single launch won by 1.26x at T = 4096, K = 1, where the split's four launches cost host
-    time). Per-kernel warps / stages when left None: ``BACKWARD_KERNEL_DEFAULTS``.
+    1-warp programs over 1024-column chunks for both streams (no cross-warp reduction in the statistics; 32
+    elements per thread in the apply pass), 16 programs per SM for each, 3 stages, FP64 statistics and dw
+    accumulation (fifth session: 1.16-1.55x faster than rows from T x (K + 1) = 8192 rows up), rows below the
+    threshold (one launch instead of four). Per-kernel warps / stages when left None:
+    ``BACKWARD_KERNEL_DEFAULTS``.
     """
 
     kernel: str = "auto"
@@ -520,7 +521,7 @@ class BackwardConfig:
     acc64: bool = True
     maxnreg: int | None = None
     apply_block: int = 1024
-    apply_warps: int = 2
+    apply_warps: int = 1
     apply_stages: int = 3
     apply_programs_per_sm: int = 16
     stats_programs_per_sm: int = 16
@@ -554,14 +555,16 @@ class BackwardConfig:
 ROWS_BACKWARD_MAX_H = 8192
 
 #: Per-kernel (num_warps, num_stages) when the config leaves them None; each the fastest measured on the H200
-#: (docs/benchmarks.md, "Training"): rows 8 warps / 2 stages; stats_apply's statistics kernel 2 warps / 3 stages;
+#: (docs/benchmarks.md, "Training"): rows 8 warps / 2 stages; stats_apply's statistics kernel 1 warp / 3 stages
+#: (its three sums per row reduce within the warp: 1.4x faster than 2 warps at K = 8);
 #: tiles 8 warps / 3 stages (2048-element tiles).
-BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "stats_apply": (2, 3), "tiles": (8, 3)}
+BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "stats_apply": (1, 3), "tiles": (8, 3)}
 
-#: "auto" picks the stats/apply split from this many token-candidate rows, T x (K + 1), on: measured on the H200
-#: at 8192 (T = 4096, K = 1: rows 1.26x faster), 32768 and 36864 (the split 1.09x and 1.26x faster); the
-#: threshold sits between them, unmeasured in that gap.
-SPLIT_BACKWARD_MIN_ROWS = 16384
+#: "auto" picks the stats/apply split from this many token-candidate rows, T x (K + 1), on: the smallest shape
+#: measured on the H200 with the 1-warp split (fifth session), T = 4096, K = 1, where the split beat the rows
+#: kernel by 1.08x under plain launches (1.16x in kernel time); below it, unmeasured, the rows kernel's single
+#: launch (the split's four launches cost host time that small shapes do not hide).
+SPLIT_BACKWARD_MIN_ROWS = 8192
 
 #: Warps of the weight-gradient reduction, whatever the gradient kernel's (8: what rows and tiles always used).
 REDUCE_NUM_WARPS = 8

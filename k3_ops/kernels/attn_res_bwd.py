@@ -18,13 +18,13 @@ The kernels:
   every candidate; zeros for slots K..C-1 of grad_block_residual follow in a loop of their own. One candidate
   tile per hidden chunk, so any K works (K_PAD = next_power_of_2(K + 1) is the compile-time tile height; K itself
   is a runtime argument).
-- ``attn_res_bwd_rows_kernel`` (CUDA, H <= 8192; the default below 16384 token-candidate rows): the same
+- ``attn_res_bwd_rows_kernel`` (CUDA, H <= 8192; the default below 8192 token-candidate rows): the same
   gradients with the forward rows kernel's layout: one [BLOCK_H = next_power_of_2(H)] row at a time over all
   warps, a program's tokens as one software-pipelined stream of 2 K + 3 row loads each, dw accumulated in
   registers. It lifts the tiles kernel's L1/shared-memory bound on the H200: 2.2-5.1x faster there
   (docs/benchmarks.md, "Training").
 - ``attn_res_bwd_stats_kernel``, ``attn_res_bwd_scalars_kernel``, ``attn_res_bwd_apply_kernel`` (CUDA, H <= 8192;
-  the default from 16384 token-candidate rows; ``BackwardConfig(kernel="stats_apply")``): the same gradients
+  the default from 8192 token-candidate rows; ``BackwardConfig(kernel="stats_apply")``): the same gradients
   split in two streams on (token range, column chunk) grids: chunk partials of the statistics, then per-token
   scalars (fixed-order chunk sum + softmax backward), then the element-wise dv / dw pass. Reads the inputs
   twice, but no step waits on the cross-warp reduction chain of a single program per SM
