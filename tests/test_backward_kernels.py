@@ -136,6 +136,7 @@ def test_cuda_backward_plan_resolution():
     assert (dict(split.launch_options)["num_warps"], split.num_stages) == cuda.BACKWARD_KERNEL_DEFAULTS["stats_apply"]
     assert split.num_programs == -(-sms * cfg.stats_programs_per_sm // 7)  # 7 chunks of 1024 columns
     assert split.apply_programs == -(-sms * cfg.apply_programs_per_sm // 7)
+    assert split.scalars_programs == min(4096, sms * cuda.SCALARS_PROGRAMS_PER_SM)  # its own grid
     assert dict(split.apply_options)["num_warps"] == cfg.apply_warps and split.apply_num_stages == cfg.apply_stages
     assert dict(split.reduce_options)["num_warps"] == cuda.REDUCE_NUM_WARPS
     forced = cuda.BackwardConfig(kernel="stats_apply")

@@ -47,6 +47,8 @@ class BackwardPlan:
         block_h = next_power_of_2(H)) or "stats_apply" (CUDA, H <= block_h: ``attn_res_bwd_stats_kernel`` with
         num_programs, launch_options and num_stages, then ``attn_res_bwd_apply_kernel`` on a
         (apply_programs, cdiv(H, apply_block)) grid with apply_options and apply_num_stages).
+    scalars_programs: "stats_apply" only: programs of ``attn_res_bwd_scalars_kernel`` (0: apply_programs x
+        chunks), each walking a contiguous token range.
     reduce_options: launch options of the weight-gradient reduction (empty: launch_options). Its FP64 tiles
         want several warps whatever the gradient kernel uses (H200, ~300 workspace rows, [16, 256] tiles: 0.12 ms
         with 2 warps, 0.035 ms with 8; [64, 32] tiles with 8 warps, the current REDUCE_BLOCK_P / _H: 0.013 ms).
@@ -65,6 +67,7 @@ class BackwardPlan:
     apply_options: tuple[tuple[str, object], ...] = field(default=())
     apply_num_stages: int = 1
     reduce_options: tuple[tuple[str, object], ...] = field(default=())
+    scalars_programs: int = 0
 
 
 def trivial_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
@@ -142,7 +145,7 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
             gy, x, blocks, raw(nw), raw(pw), raw(part), T, K, H, stats_tpp, *args[14:20],
             BLOCK_C=plan.apply_block, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, ACC64=plan.acc64,
             NUM_STAGES=plan.num_stages, **dict(plan.launch_options))
-        sc_tpp = triton.cdiv(T, max(1, min(plan.apply_programs * chunks, T)))
+        sc_tpp = triton.cdiv(T, max(1, min(plan.scalars_programs or plan.apply_programs * chunks, T)))
         _bwd.attn_res_bwd_scalars_kernel[(triton.cdiv(T, sc_tpp),)](
             raw(part), raw(scalars), T, K, H, float(eps), chunks, sc_tpp, K_PAD=plan.k_pad,
             CHUNKS_PAD=next_power_of_2(chunks), ACC64=plan.acc64, num_warps=1)

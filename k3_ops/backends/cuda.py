@@ -507,9 +507,9 @@ class BackwardConfig:
 
     Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training"): the split with
     1-warp programs over 1024-column chunks for both streams (no cross-warp reduction in the statistics; 32
-    elements per thread in the apply pass), 16 programs per SM for each, 3 stages, FP64 statistics and dw
-    accumulation (fifth session: 1.16-1.55x faster than rows from T x (K + 1) = 8192 rows up), rows below the
-    threshold (one launch instead of four). Per-kernel warps / stages when left None:
+    elements per thread in the apply pass), 8 programs per SM for each (one wave: ptxas gives them 221-241
+    registers, so 8 fit an SM), 3 stages, FP64 statistics and dw accumulation (fifth session: 1.25-1.57x faster
+    than rows from T x (K + 1) = 8192 rows up), rows below the threshold (one launch instead of four). Per-kernel warps / stages when left None:
     ``BACKWARD_KERNEL_DEFAULTS``.
     """
 
@@ -523,8 +523,8 @@ class BackwardConfig:
     apply_block: int = 1024
     apply_warps: int = 1
     apply_stages: int = 3
-    apply_programs_per_sm: int = 16
-    stats_programs_per_sm: int = 16
+    apply_programs_per_sm: int = 8
+    stats_programs_per_sm: int = 8
 
     def __post_init__(self):
         if self.apply_block < 16 or self.apply_block & (self.apply_block - 1):
@@ -566,6 +566,11 @@ BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "stats_apply": (1, 3), "tiles": (8, 
 #: launch (the split's four launches cost host time that small shapes do not hide).
 SPLIT_BACKWARD_MIN_ROWS = 8192
 
+#: Programs per SM of the split's per-token scalars kernel (1 warp each, a few tokens each; its own grid, so
+#: that the apply kernel's smaller one does not thin it out: at T = 16384, K = 8 it took 29 us with 2112
+#: programs, 48 us with 1056).
+SCALARS_PROGRAMS_PER_SM = 16
+
 #: Warps of the weight-gradient reduction, whatever the gradient kernel's (8: what rows and tiles always used).
 REDUCE_NUM_WARPS = 8
 
@@ -597,7 +602,8 @@ def choose_backward_plan(T: int, K: int, H: int, device: torch.device,
         programs = min(T, triton.cdiv(num_sms(device) * config.stats_programs_per_sm, chunks))
         apply = dict(apply_block=block, apply_options=(("num_warps", config.apply_warps),),
                      apply_num_stages=config.apply_stages,
-                     apply_programs=min(T, triton.cdiv(num_sms(device) * config.apply_programs_per_sm, chunks)))
+                     apply_programs=min(T, triton.cdiv(num_sms(device) * config.apply_programs_per_sm, chunks)),
+                     scalars_programs=min(T, num_sms(device) * SCALARS_PROGRAMS_PER_SM))
     return _backward.BackwardPlan(num_programs=programs, block_h=block_h,
                                   k_pad=k_pad, acc64=config.acc64, num_stages=config.num_stages or stages,
                                   kernel=kernel, launch_options=tuple(options), **apply,
