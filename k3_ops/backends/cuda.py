@@ -508,9 +508,9 @@ class BackwardConfig:
     Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training"): the split with
     1-warp programs over 1024-column chunks for both streams (no cross-warp reduction in the statistics; 32
     elements per thread in the apply pass), 8 programs per SM for each (one wave: ptxas gives them 221-241
-    registers, so 8 fit an SM), 3 stages, FP64 statistics and dw accumulation (fifth session: 1.25-1.57x faster
-    than rows from T x (K + 1) = 8192 rows up), rows below the threshold (one launch instead of four). Per-kernel warps / stages when left None:
-    ``BACKWARD_KERNEL_DEFAULTS``.
+    registers, so 8 fit an SM), 3 stages, FP64 statistics and dw accumulation (fifth session: 1.26-1.57x faster
+    than rows from T x (K + 1) = 8192 rows up), rows below the threshold (one launch instead of four).
+    Per-kernel warps / stages when left None: ``BACKWARD_KERNEL_DEFAULTS``.
     """
 
     kernel: str = "auto"
@@ -561,9 +561,10 @@ ROWS_BACKWARD_MAX_H = 8192
 BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "stats_apply": (1, 3), "tiles": (8, 3)}
 
 #: "auto" picks the stats/apply split from this many token-candidate rows, T x (K + 1), on: the smallest shape
-#: measured on the H200 with the 1-warp split (fifth session), T = 4096, K = 1, where the split beat the rows
-#: kernel by 1.08x under plain launches (1.16x in kernel time); below it, unmeasured, the rows kernel's single
-#: launch (the split's four launches cost host time that small shapes do not hide).
+#: measured on the H200 with the 1-warp split (fifth session, 318af1a), T = 4096, K = 1, where the split beat the
+#: rows kernel by 1.26x under plain launches (1.28x in kernel time), though that op is near host-bound there
+#: (bench_train read 266-565 us for it in three runs); below it, unmeasured, the rows kernel's single launch (the
+#: split's four launches cost host time that small shapes do not hide).
 SPLIT_BACKWARD_MIN_ROWS = 8192
 
 #: Programs per SM of the split's per-token scalars kernel (1 warp each, a few tokens each; its own grid, so
