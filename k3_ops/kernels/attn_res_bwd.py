@@ -356,6 +356,47 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
             tl.debug_barrier()
 
 
+@triton.jit
+def _step_row_ptrs(t64, st, i, K, gy_ptr, prefix_ptr, blocks_ptr, cols, stride_gyt, stride_pt, stride_ph, stride_bt,
+                   stride_bc, stride_bh, VEC: tl.constexpr, H_STRIDED: tl.constexpr):
+    """Pointers to the columns ``cols`` of one streamed row of token t: grad_out[t] at step st == 0, else
+    candidate i (v_i = block_residual[t, i] for i < K, prefix_sum[t] for i == K). The row's base pointer is a
+    scalar select (as the forward's rows kernel), not a per-element one."""
+    blk = blocks_ptr + t64 * (stride_bt * VEC) + tl.cast(tl.minimum(tl.maximum(i, 0), K - 1), tl.int64) * (
+        stride_bc * VEC)
+    cand = tl.where(i < K, blk, prefix_ptr + t64 * (stride_pt * VEC))
+    base = tl.where(st == 0, gy_ptr + t64 * (stride_gyt * VEC), cand)
+    if H_STRIDED:
+        return base + tl.cast(cols, tl.int64) * tl.where(st == 0, 1, tl.where(i < K, stride_bh, stride_ph))
+    return base + cols
+
+
+@triton.jit
+def _store_dv(dv, t64, i, K, cols, hmask, gp_ptr, gb_ptr, stride_gpt, stride_gbt, stride_gbc, VEC: tl.constexpr,
+              WRITE_PREFIX: tl.constexpr, WRITE_BLOCKS: tl.constexpr):
+    """Candidate i's gradient row of token t: grad_prefix_sum[t] for i == K, grad_block_residual[t, i] for i < K
+    (both outputs contiguous); an output not asked for is not written."""
+    if WRITE_PREFIX:
+        tl.store(gp_ptr + t64 * (stride_gpt * VEC) + cols, dv.to(gp_ptr.dtype.element_ty), mask=hmask & (i == K))
+    if WRITE_BLOCKS:
+        tl.store(gb_ptr + t64 * (stride_gbt * VEC) + tl.cast(tl.minimum(i, K - 1), tl.int64) * (stride_gbc * VEC)
+                 + cols, dv.to(gb_ptr.dtype.element_ty), mask=hmask & (i < K))
+
+
+@triton.jit
+def _store_zero_slots(gb_ptr, t_begin, n_tok, K, C, cols, hmask, stride_gbt, stride_gbc, VEC: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Exact zeros into grad_block_residual slots K..C-1 of tokens t_begin .. t_begin + n_tok - 1, columns
+    ``cols`` (those slots were never read). A loop of its own, after the streaming loop: a loop nested in that
+    one would keep Triton from software-pipelining it (only innermost loops are)."""
+    zeros = tl.zeros([BLOCK], dtype=gb_ptr.dtype.element_ty)
+    for tt in range(0, n_tok):
+        t64 = tl.cast(t_begin + tt, tl.int64)
+        for z in range(K, C):
+            tl.store(gb_ptr + t64 * (stride_gbt * VEC) + tl.cast(z, tl.int64) * (stride_gbc * VEC) + cols, zeros,
+                     mask=hmask)
+
+
 @triton.jit(do_not_specialize=_BWD_RUNTIME_INTS)
 def attn_res_bwd_rows_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, gb_ptr, ws_ptr,
                              T, K, C, H, eps, tokens_per_prog,
@@ -403,16 +444,9 @@ def attn_res_bwd_rows_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_
         t64 = tl.cast(t_begin + j // per_tok, tl.int64)
         st = j % per_tok
         i = tl.where(st <= K + 1, st - 1, st - K - 2)  # candidate of this step (-1: the grad_out step)
-        # The row of this step, chosen by a scalar select of its base pointer (as the forward's rows kernel).
-        blk = blocks_ptr + t64 * (stride_bt * VEC) + tl.cast(tl.minimum(tl.maximum(i, 0), K - 1), tl.int64) * (
-            stride_bc * VEC)
-        cand = tl.where(i < K, blk, prefix_ptr + t64 * (stride_pt * VEC))
-        base = tl.where(st == 0, gy_ptr + t64 * (stride_gyt * VEC), cand)
-        if H_STRIDED:
-            offs = tl.cast(cols, tl.int64) * tl.where(st == 0, 1, tl.where(i < K, stride_bh, stride_ph))
-        else:
-            offs = cols
-        x = tl.load(base + offs, mask=hmask, other=0.0).to(tl.float32)
+        x = tl.load(_step_row_ptrs(t64, st, i, K, gy_ptr, prefix_ptr, blocks_ptr, cols, stride_gyt, stride_pt,
+                                   stride_ph, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED),
+                    mask=hmask, other=0.0).to(tl.float32)
         if st == 0:
             gy = x
         elif st <= K + 1:
@@ -440,22 +474,12 @@ def attn_res_bwd_rows_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_
             c_i = tl.sum(tl.where(sel, c, 0.0), axis=0)
             a_i = tl.sum(tl.where(sel, a, 0.0), axis=0)
             dv = p_i * gy + gs_i * (r_i * w - c_i * x)
-            if WRITE_PREFIX:
-                tl.store(gp_ptr + t64 * (stride_gpt * VEC) + cols, dv.to(gp_ptr.dtype.element_ty),
-                         mask=hmask & (i == K))
-            if WRITE_BLOCKS:
-                tl.store(gb_ptr + t64 * (stride_gbt * VEC) + tl.cast(tl.minimum(i, K - 1), tl.int64) * (
-                    stride_gbc * VEC) + cols, dv.to(gb_ptr.dtype.element_ty), mask=hmask & (i < K))
+            _store_dv(dv, t64, i, K, cols, hmask, gp_ptr, gb_ptr, stride_gpt, stride_gbt, stride_gbc, VEC,
+                      WRITE_PREFIX, WRITE_BLOCKS)
             if COMPUTE_DW:
                 dw += (a_i * x).to(dw.dtype)
     if WRITE_BLOCKS:
-        # Slots K..C-1 get exact zeros (never read); a loop of its own, outside the pipelined one.
-        zeros = tl.zeros([BLOCK_H], dtype=gb_ptr.dtype.element_ty)
-        for tt in range(0, n_tok):
-            t64 = tl.cast(t_begin + tt, tl.int64)
-            for z in range(K, C):
-                tl.store(gb_ptr + t64 * (stride_gbt * VEC) + tl.cast(z, tl.int64) * (stride_gbc * VEC) + cols, zeros,
-                         mask=hmask)
+        _store_zero_slots(gb_ptr, t_begin, n_tok, K, C, cols, hmask, stride_gbt, stride_gbc, VEC, BLOCK_H)
     if COMPUTE_DW:
         tl.store(ws_ptr + tl.cast(pid, tl.int64) * H + cols, dw.to(ws_ptr.dtype.element_ty), mask=hmask)
 
@@ -516,15 +540,9 @@ def attn_res_bwd_stats_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, pa
         t64 = tl.cast(t_begin + j // per_tok, tl.int64)
         st = j % per_tok
         i = st - 1  # candidate of this step (-1: the grad_out step)
-        blk = blocks_ptr + t64 * (stride_bt * VEC) + tl.cast(tl.minimum(tl.maximum(i, 0), K - 1), tl.int64) * (
-            stride_bc * VEC)
-        cand = tl.where(i < K, blk, prefix_ptr + t64 * (stride_pt * VEC))
-        base = tl.where(st == 0, gy_ptr + t64 * (stride_gyt * VEC), cand)
-        if H_STRIDED:
-            offs = tl.cast(cols, tl.int64) * tl.where(st == 0, 1, tl.where(i < K, stride_bh, stride_ph))
-        else:
-            offs = cols
-        x = tl.load(base + offs, mask=hmask, other=0.0).to(tl.float32)
+        x = tl.load(_step_row_ptrs(t64, st, i, K, gy_ptr, prefix_ptr, blocks_ptr, cols, stride_gyt, stride_pt,
+                                   stride_ph, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED),
+                    mask=hmask, other=0.0).to(tl.float32)
         if st == 0:
             gyd = x.to(acc_t)
         else:
@@ -594,15 +612,10 @@ def attn_res_bwd_apply_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, sc
         st = j % per_tok
         i = st - 1
         ic = tl.maximum(i, 0)
-        blk = blocks_ptr + t64 * (stride_bt * VEC) + tl.cast(tl.minimum(ic, K - 1), tl.int64) * (stride_bc * VEC)
-        cand = tl.where(i < K, blk, prefix_ptr + t64 * (stride_pt * VEC))
-        base = tl.where(st == 0, gy_ptr + t64 * (stride_gyt * VEC), cand)
-        if H_STRIDED:
-            offs = tl.cast(cols, tl.int64) * tl.where(st == 0, 1, tl.where(i < K, stride_bh, stride_ph))
-        else:
-            offs = cols
         # Last use of every input row: evict_first.
-        x = tl.load(base + offs, mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x = tl.load(_step_row_ptrs(t64, st, i, K, gy_ptr, prefix_ptr, blocks_ptr, cols, stride_gyt, stride_pt,
+                                   stride_ph, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED),
+                    mask=hmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         # The step's scalars, loaded unconditionally (the grad_out step reads candidate 0's) so that the loop's
         # every load is outside the branches and the software pipeliner can issue them ahead.
         sc = sc_ptr + t64 * (N_SCALARS * K_PAD) + ic
@@ -615,20 +628,11 @@ def attn_res_bwd_apply_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, sc
             gy = x
         else:
             dv = p_i * gy + gs_i * (r_i * w - c_i * x)
-            if WRITE_PREFIX:
-                tl.store(gp_ptr + t64 * (stride_gpt * VEC) + cols, dv.to(gp_ptr.dtype.element_ty),
-                         mask=hmask & (i == K))
-            if WRITE_BLOCKS:
-                tl.store(gb_ptr + t64 * (stride_gbt * VEC) + tl.cast(tl.minimum(i, K - 1), tl.int64) * (
-                    stride_gbc * VEC) + cols, dv.to(gb_ptr.dtype.element_ty), mask=hmask & (i < K))
+            _store_dv(dv, t64, i, K, cols, hmask, gp_ptr, gb_ptr, stride_gpt, stride_gbt, stride_gbc, VEC,
+                      WRITE_PREFIX, WRITE_BLOCKS)
             if COMPUTE_DW:
                 dw += (a_i * x).to(dw.dtype)
     if WRITE_BLOCKS:
-        zeros = tl.zeros([BLOCK_C], dtype=gb_ptr.dtype.element_ty)
-        for tt in range(0, n_tok):
-            t64 = tl.cast(t_begin + tt, tl.int64)
-            for z in range(K, C):
-                tl.store(gb_ptr + t64 * (stride_gbt * VEC) + tl.cast(z, tl.int64) * (stride_gbc * VEC) + cols, zeros,
-                         mask=hmask)
+        _store_zero_slots(gb_ptr, t_begin, n_tok, K, C, cols, hmask, stride_gbt, stride_gbc, VEC, BLOCK_C)
     if COMPUTE_DW:
         tl.store(ws_ptr + tl.cast(pid, tl.int64) * H + cols, dw.to(ws_ptr.dtype.element_ty), mask=hmask)
