@@ -70,6 +70,7 @@ def main(argv: list[str]) -> int:
             nw = 1 + 0.1 * torch.randn(H, device=dev, generator=g)
             pw = torch.randn(1, H, device=dev, generator=g) / H ** 0.5
             nbytes = bench_train.backward_bytes(T, K, C, H, 2)
+            ref_out = None
             for name, cfg in configs.items():
                 for k, v in {**defaults, **reduce_tiles.get(name, {})}.items():
                     setattr(_backward, k, v)
@@ -77,15 +78,22 @@ def main(argv: list[str]) -> int:
                 def fn(cfg=cfg):
                     return cuda.attn_res_backward(gy, prefix, blocks, nw, pw, K, 1e-6, [True, True, True],
                                                   config=cfg)
+                # Same gradients as the default config (to within its rounding): a wrong variant is not timed.
+                out = fn()
+                if ref_out is None:
+                    ref_out = out
+                dev_max = max(float((o.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30))
+                              for o, r in zip(out, ref_out))
+                del out
                 us = bench_train._time_gpu(fn, a.rep)
                 kt = kernel_times(fn)
                 frac = nbytes / (us * 1e-6) / bw
                 gpu_us = sum(kt.values())  # device time of the kernels alone (no host launch gaps)
                 parts = "  ".join(f"{k.split('_kernel')[0].replace('attn_res_bwd_', '')}={v:.0f}" for k, v in kt.items())
                 print(f"T={T:6d} K={K} {name:18s} {us:7.1f} us of BW {frac:.3f} | kernels {gpu_us:7.1f} us of BW "
-                      f"{nbytes / (gpu_us * 1e-6) / bw:.3f} [{parts}]", flush=True)
+                      f"{nbytes / (gpu_us * 1e-6) / bw:.3f} [{parts}] dev {dev_max:.1e}", flush=True)
                 results.append(dict(T=T, K=K, config=name, us=us, of_bw=frac, kernels_us=kt, kernels_sum_us=gpu_us,
-                                    kernels_of_bw=nbytes / (gpu_us * 1e-6) / bw))
+                                    kernels_of_bw=nbytes / (gpu_us * 1e-6) / bw, max_rel_dev_vs_default=dev_max))
     if a.json:
         Path(a.json).write_text(json.dumps(dict(copy_bw=bw, device=torch.cuda.get_device_name(),
                                                 torch=torch.__version__, commit=os.environ.get("K3_OPS_COMMIT"),
