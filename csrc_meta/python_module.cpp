@@ -8,6 +8,12 @@
 
 #include "checks.h"
 
+#ifdef K3_WITH_CUDA
+namespace k3_ops {
+void register_cuda_functions(py::module& m);  // csrc_cuda/python_cuda.cpp
+}
+#endif
+
 namespace {
 
 py::object to_python(const k3_ops::Verdict& v) {
@@ -57,4 +63,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("addend"), py::arg("block_residual"), py::arg("norm_weight"), py::arg("proj_weight"),
         py::arg("num_valid_blocks"), py::arg("eps"), py::arg("block_write_idx"), py::arg("out_norm_weight"),
         py::arg("out_norm_eps"));
+#ifdef K3_WITH_CUDA
+  // The CUDA C++ kernels (csrc_cuda/), present only in builds against a CUDA torch with a CUDA toolkit.
+  k3_ops::register_cuda_functions(m);
+  m.attr("has_cuda_kernels") = true;
+#else
+  m.attr("has_cuda_kernels") = false;
+#endif
 }

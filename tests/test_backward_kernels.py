@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from k3_ops import reference
+from k3_ops import _C, reference
 from k3_ops.backends import next_power_of_2
 from k3_ops.testing import assert_accuracy_contract, error_stats
 
@@ -44,7 +44,9 @@ def policy_backward(policy: str, *args, **kw):
         small = dict(stats_programs_per_sm=3, apply_programs_per_sm=5,
                      apply_block=max(16, next_power_of_2(args[0].size(-1)) // 4)) if args[0].device.type == "cpu" else {}
         forced = {"cuda-rows": dict(kernel="rows"), "cuda-tiles": dict(kernel="tiles"),
-                  "cuda-stats-apply": dict(kernel="stats_apply", **small)}
+                  "cuda-stats-apply": dict(kernel="stats_apply", **small),
+                  "cuda-single-read": dict(kernel="single_read"),
+                  "cuda-single-read-v1": dict(kernel="single_read", vectors_per_thread=1)}
         if policy in forced:
             kw = dict(kw, config=cuda.BackwardConfig(**forced[policy]))
         return cuda.attn_res_backward(*args, **kw)
@@ -152,7 +154,7 @@ def test_cuda_backward_plan_resolution():
     assert forced.kernel == "tiles" and forced.num_stages == 1
     assert dict(forced.launch_options) == {"num_warps": 4}, "maxnreg must not reach the interpreter"
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":  # a compiling GPU
-        capped = cuda.choose_backward_plan(4096, 1, 7168, gpu_like, cuda.BackwardConfig(maxnreg=128))
+        capped = cuda.choose_backward_plan(4096, 1, 7168, gpu_like, cuda.BackwardConfig(kernel="tiles", maxnreg=128))
         assert dict(capped.launch_options)["maxnreg"] == 128
 
 
@@ -306,9 +308,91 @@ def test_cuda_accuracy_contract_and_zero_capacity(sample: Sample):
               f"mean_abs {k_err.mean_abs / max(e_err.mean_abs, 1e-30):.3f}")
 
 
+def triton_auto_kernel(T: int, K: int) -> str:
+    """The kernel "auto" picks where the single-read CUDA C++ kernel does not run."""
+    from k3_ops.backends import cuda
+
+    return "stats_apply" if T * (K + 1) >= cuda.SPLIT_BACKWARD_MIN_ROWS else "rows"
+
+
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("policy", ["cuda-rows", "cuda-stats-apply", "cuda-tiles"])
+def test_cuda_single_read_kernel_is_built():
+    """Where a CUDA toolkit is present, the build must carry the C++ kernels (else the default backward silently
+    loses its fastest kernel); and "auto" picks it for the shapes it runs."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    from k3_ops import _C
+    from k3_ops.backends import cuda
+
+    if CUDA_HOME is None or os.environ.get("K3_OPS_NO_CUDA") == "1":
+        pytest.skip("no CUDA toolkit (or K3_OPS_NO_CUDA=1): k3_ops was built without csrc_cuda/")
+    assert _C.has_cuda_kernels, "k3_ops._C was built without the CUDA C++ kernels: rebuild with the toolkit"
+    dev = torch.device("cuda")
+    assert cuda.choose_backward_plan(4096, 8, 7168, dev).kernel == "single_read"
+    assert cuda.choose_backward_plan(4096, 1, 7168, dev).kernel == "single_read"
+    assert cuda.choose_backward_plan(4096, 9, 7168, dev).kernel == "stats_apply", "K <= 8 only"
+    assert cuda.choose_backward_plan(4096, 8, 7168, dev, element_size=4).kernel == "stats_apply", "16-bit only"
+    assert cuda.choose_backward_plan(4096, 8, 7164, dev).kernel == "stats_apply", "H % 8 == 0 only"
+    assert cuda.choose_backward_plan(4096, 8, 8200, dev).kernel == "tiles"
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["cuda-single-read", "cuda-single-read-v1"])
+@pytest.mark.parametrize("sample", sample_params([
+    Sample(T=300, K=1, cap=8, H=7168, dtype=torch.bfloat16),  # K = 1 at full capacity: 7 zero slots per token
+    Sample(T=500, K=2, cap=3, H=1000, dtype=torch.float16),  # 125 vectors: a half-used thread pair, rows variant 6
+    Sample(T=129, K=6, cap=7, H=4096, dtype=torch.bfloat16, layout="blockmajor"),
+    Sample(T=3, K=8, cap=8, H=7168, dtype=torch.bfloat16),  # fewer tokens than SMs
+    Sample(T=1000, K=7, cap=8, H=7168, dtype=torch.bfloat16, proj_2d=False),
+]))
+def test_cuda_single_read_contract(sample: Sample, policy: str):
+    """The CUDA C++ kernel (both thread layouts) on shapes beyond CUDA_CASES: each rows variant (K + 2 <= 3, 6,
+    10), a row width that leaves part of the last thread idle, block-major views, few tokens; zeros past K, no
+    NaN read from the NaN-poisoned capacity, the accuracy contract, identical bits run to run."""
+    from k3_ops.backends import cuda
+
+    args = sample.make("cuda")
+    gy = grad_out_for(sample, "cuda")
+    forced = cuda.BackwardConfig(kernel="single_read", vectors_per_thread=2 if policy == "cuda-single-read" else 1)
+    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, gy.device, forced).kernel == "single_read"
+    with _nan_fill():
+        outs = policy_backward(policy, gy, *positional(args), FULL)
+    assert bool((outs[1][:, sample.K:] == 0).all()), "slots >= K must get exact zeros"
+    assert not any(bool(o.isnan().any()) for o in outs)
+    check_contract(sample, outs, gy, args, interpreted=False)
+    again = policy_backward(policy, gy, *positional(args), FULL)
+    assert all(bits_equal(a, b) for a, b in zip(outs, again)), "single_read must be deterministic"
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_single_read_falls_back_on_unaligned_rows():
+    """Rows that do not start on 16-byte boundaries (an odd element offset) or a strided hidden dimension take the
+    Triton kernel "auto" would pick without the C++ one: bit for bit that kernel's result."""
+    from k3_ops.backends import cuda
+
+    sample = Sample(T=1024, K=8, cap=8, H=7168, dtype=torch.bfloat16)
+    args = sample.make("cuda")
+    gy = grad_out_for(sample, "cuda")
+    wide = torch.empty((sample.T, sample.H + 1), dtype=sample.dtype, device="cuda")
+    wide[:, 1:] = args["prefix_sum"]
+    odd = {**args, "prefix_sum": wide[:, 1:]}
+    assert odd["prefix_sum"].data_ptr() % 16 != 0
+    triton_kernel = cuda.BackwardConfig(kernel=triton_auto_kernel(sample.T, sample.K))
+    want = cuda.attn_res_backward(gy, *positional(args), FULL, config=triton_kernel)
+    got = cuda.attn_res_backward(gy, *positional(odd), FULL)
+    assert all(bits_equal(a, b) for a, b in zip(got, want))
+    wide_h = torch.empty((sample.T, 2 * sample.H), dtype=sample.dtype, device="cuda")
+    wide_h[:, ::2] = args["prefix_sum"]
+    got = cuda.attn_res_backward(gy, *positional({**args, "prefix_sum": wide_h[:, ::2]}), FULL)
+    assert all(bits_equal(a, b) for a, b in zip(got, want))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["cuda-rows", "cuda-stats-apply", "cuda-tiles", "cuda-single-read"])
 @pytest.mark.parametrize("sample", sample_params(CUDA_CASES))
 def test_cuda_each_kernel_contract(sample: Sample, policy: str):
     """Every CUDA backward kernel forced on the GPU (the default is one of them; tiles is the fallback for
@@ -328,10 +412,14 @@ def test_cuda_each_kernel_contract(sample: Sample, policy: str):
     cuda_dev = torch.device("cuda")
     kernel = policy.removeprefix("cuda-").replace("-", "_")
     forced = cuda.BackwardConfig(kernel=kernel)
-    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev, forced).kernel == kernel
-    assert cuda.choose_backward_plan(sample.T, sample.K, 8193, cuda_dev, forced).kernel == "tiles"
-    auto = "stats_apply" if sample.T * (sample.K + 1) >= cuda.SPLIT_BACKWARD_MIN_ROWS else "rows"
-    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev).kernel == auto
+    size = sample.dtype.itemsize
+    single_read = cuda.single_read_supported(sample.K, sample.H, cuda_dev, size)
+    assert single_read == (size == 2 and sample.K <= 8 and bool(_C.has_cuda_kernels)), sample.id
+    expect = kernel if kernel != "single_read" or single_read else triton_auto_kernel(sample.T, sample.K)
+    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev, forced, size).kernel == expect
+    assert cuda.choose_backward_plan(sample.T, sample.K, 8193, cuda_dev, forced, size).kernel == "tiles"
+    auto = "single_read" if single_read else triton_auto_kernel(sample.T, sample.K)
+    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, cuda_dev, element_size=size).kernel == auto
 
 
 @requires_cuda

@@ -22,10 +22,13 @@ for stage in "${stages[@]}"; do
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
       $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
       # No network there: build against the machine's torch, without build isolation or dependencies.
-      $PY -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
+      $PY -m pip install -v --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
         || { echo "pip -e failed, building in place"; $PY setup.py build_ext --inplace >>"$OUT/build.log" 2>&1; } \
-        || { tail -30 "$OUT/build.log"; exit 1; }
-      $PY -c "import k3_ops; print('k3_ops', k3_ops.__version__, 'ok')" || exit 1 ;;
+        || { grep -E "error|Error" "$OUT/build.log" | head -30; tail -30 "$OUT/build.log"; exit 1; }
+      # ptxas -v of the CUDA C++ kernels (setup.py passes it): registers, spills, shared memory per variant.
+      grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | sed -E 's/.*(Compiling entry function|ptxas info *:)//' \
+        | paste - - - 2>/dev/null | cut -c1-260 | head -30
+      $PY -c "import k3_ops, k3_ops._C as c; print('k3_ops', k3_ops.__version__, 'ok; CUDA C++ kernels:', c.has_cuda_kernels)" || exit 1 ;;
     errors)
       # The bad-input path on this torch build; on a crash, a native backtrace (cuda-gdb runs host code too).
       $PY tools/smoke_errors.py || { echo "smoke_errors failed (rc $?)"; status=1;

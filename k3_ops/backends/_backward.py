@@ -47,6 +47,8 @@ class BackwardPlan:
         block_h = next_power_of_2(H)) or "stats_apply" (CUDA, H <= block_h: ``attn_res_bwd_stats_kernel`` with
         num_programs, launch_options and num_stages, then ``attn_res_bwd_apply_kernel`` on a
         (apply_programs, cdiv(H, apply_block)) grid with apply_options and apply_num_stages).
+    vectors_per_thread: "single_read" only (CUDA C++, csrc_cuda/attn_res_bwd.cu; num_programs programs, FP64
+        workspace): 16-byte column vectors per thread and row.
     scalars_programs: "stats_apply" only: programs of ``attn_res_bwd_scalars_kernel`` (0: apply_programs x
         chunks), each walking a contiguous token range.
     reduce_options: launch options of the weight-gradient reduction (empty: launch_options). Its FP64 tiles
@@ -68,6 +70,7 @@ class BackwardPlan:
     apply_num_stages: int = 1
     reduce_options: tuple[tuple[str, object], ...] = field(default=())
     scalars_programs: int = 0
+    vectors_per_thread: int = 0
 
 
 def trivial_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
@@ -154,6 +157,13 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
             *apply_args, BLOCK_C=plan.apply_block, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided,
             WRITE_PREFIX=want_prefix, WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64,
             NUM_STAGES=plan.apply_num_stages, **dict(plan.apply_options))
+    elif plan.kernel == "single_read":
+        # CUDA C++ (csrc_cuda/attn_res_bwd.cu): every token read once; the launch policy checked its layout rules.
+        from .. import _C
+
+        _C.attn_res_bwd_single_read(gy, x, blocks, nw, pw, grad_prefix if want_prefix else None,
+                                    grad_blocks if want_blocks else None, ws, K, float(eps), tokens_per_prog, programs,
+                                    plan.vectors_per_thread)
     elif plan.kernel == "rows":
         assert plan.block_h >= H and not plan.df, "the rows backward holds a whole row and has no DF variant"
         _bwd.attn_res_bwd_rows_kernel[(programs,)](*args, **flags)

@@ -484,8 +484,12 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
 class BackwardConfig:
     """Knobs of the backward launch (tuned on the H200 with ``python -m k3_ops.bench_train``).
 
-    kernel: "auto" (default: "stats_apply" when T x (K + 1) >= SPLIT_BACKWARD_MIN_ROWS, else "rows"),
-        "stats_apply" (the two-stream split: ``attn_res_bwd_stats_kernel``, then
+    kernel: "auto" (default: "single_read" where it runs, else "stats_apply" when T x (K + 1) >=
+        SPLIT_BACKWARD_MIN_ROWS, else "rows"), "single_read" (the CUDA C++ kernel of csrc_cuda/attn_res_bwd.cu:
+        one program per SM, each token read once from DRAM; needs a build with the CUDA sources, sm_80+, bf16 /
+        fp16 candidates, H % 8 == 0, H <= 8192, K <= 8, unit hidden strides and 16-byte aligned rows; elsewhere
+        the Triton choice "auto" would make without it), "stats_apply" (the two-stream split:
+        ``attn_res_bwd_stats_kernel``, then
         ``attn_res_bwd_scalars_kernel``, then ``attn_res_bwd_apply_kernel``, on (token range, column chunk)
         grids), "rows" (``attn_res_bwd_rows_kernel``, the single-read streaming kernel: one whole row per step
         over all warps) or "tiles" (``attn_res_bwd_kernel``: [K_PAD, BLOCK_H] candidate tiles of ``tile_elems``
@@ -504,6 +508,8 @@ class BackwardConfig:
     stats_programs_per_sm: "stats_apply" only: its statistics kernel's grid, about SMs x stats_programs_per_sm
         programs (token ranges x column chunks); num_warps and num_stages describe that kernel.
     apply_warps, apply_stages, apply_programs_per_sm: "stats_apply" only: the same for its apply kernel.
+    vectors_per_thread: "single_read" only: 16-byte column vectors per thread and row (1 or 2; threads per
+        program = H / 8 / vectors_per_thread, so a token's rows sit in registers one vector per row and thread).
 
     Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training"): the split with
     1-warp programs over 1024-column chunks for both streams (no cross-warp reduction in the statistics; 32
@@ -525,6 +531,7 @@ class BackwardConfig:
     apply_stages: int = 3
     apply_programs_per_sm: int = 8
     stats_programs_per_sm: int = 8
+    vectors_per_thread: int = 2
 
     def __post_init__(self):
         if self.apply_block < 16 or self.apply_block & (self.apply_block - 1):
@@ -538,9 +545,11 @@ class BackwardConfig:
             raise ValueError(f"BackwardConfig.programs_per_sm must be >= 1, got {self.programs_per_sm}")
         if self.tile_elems < 16 or self.tile_elems & (self.tile_elems - 1):
             raise ValueError(f"BackwardConfig.tile_elems must be a power of two >= 16, got {self.tile_elems}")
-        if self.kernel not in ("auto", "tiles", "rows", "stats_apply"):
-            raise ValueError("BackwardConfig.kernel must be 'auto', 'stats_apply', 'rows' or 'tiles', got "
-                             f"{self.kernel!r}")
+        if self.kernel not in ("auto", "single_read", "tiles", "rows", "stats_apply"):
+            raise ValueError("BackwardConfig.kernel must be 'auto', 'single_read', 'stats_apply', 'rows' or 'tiles', "
+                             f"got {self.kernel!r}")
+        if self.vectors_per_thread not in (1, 2):
+            raise ValueError(f"BackwardConfig.vectors_per_thread must be 1 or 2, got {self.vectors_per_thread}")
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"BackwardConfig.num_stages must be >= 1 or None, got {self.num_stages}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16, 32):
@@ -579,14 +588,62 @@ REDUCE_NUM_WARPS = 8
 BACKWARD_CONFIG = BackwardConfig()
 
 
+def _has_cuda_kernels() -> bool:
+    from .. import _C
+
+    return bool(getattr(_C, "has_cuda_kernels", False))
+
+
+_smem_optin_cache: dict[int, int] = {}
+
+
+def single_read_supported(K: int, H: int, device: torch.device, element_size: int = 2,
+                          vectors_per_thread: int = 2) -> bool:
+    """Whether the CUDA C++ single-read backward can run this shape on ``device``: a k3_ops build with the CUDA
+    sources, a GPU (not the interpreter) of compute capability 8.0+ whose per-block shared memory opt-in holds
+    one program's (the token's K + 2 rows plus an FP64 [H] row), 16-bit candidates, K <= 8, H % 8 == 0,
+    H <= 8192. Row layout (unit hidden strides, 16-byte aligned rows) is checked per call on the tensors."""
+    if use_interpreter(device) or not _has_cuda_kernels() or K < 1:
+        return False
+    from .. import _C
+
+    smem = _C.attn_res_bwd_single_read_smem_bytes(K, H, element_size, vectors_per_thread)
+    if smem == 0:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _smem_optin_cache:
+        props = torch.cuda.get_device_properties(index)
+        _smem_optin_cache[index] = (props.shared_memory_per_block_optin if (props.major, props.minor) >= (8, 0)
+                                    else 0)
+    return smem <= _smem_optin_cache[index]
+
+
+def _single_read_layout_ok(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor) -> bool:
+    # The C++ kernel copies 16-byte vectors: unit hidden strides (a hidden-strided grad_out is made contiguous by
+    # the launch) and rows starting on 16-byte boundaries (pointer and token / block strides).
+    rows = [(prefix_sum, (prefix_sum.stride(0),)),
+            (block_residual, (block_residual.stride(0), block_residual.stride(1)))]
+    if grad_out.stride(1) == 1:
+        rows.append((grad_out, (grad_out.stride(0),)))
+    return (prefix_sum.stride(1) == 1 and block_residual.stride(2) == 1
+            and all(t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides) for t, strides in rows))
+
+
 def choose_backward_plan(T: int, K: int, H: int, device: torch.device,
-                         config: BackwardConfig | None = None) -> _backward.BackwardPlan:
-    """Resolve the backward launch for a shape (compile key: kernel, k_pad, block_h, num_warps, num_stages)."""
+                         config: BackwardConfig | None = None, element_size: int = 2) -> _backward.BackwardPlan:
+    """Resolve the backward launch for a shape (compile key: kernel, k_pad, block_h, num_warps, num_stages).
+
+    element_size: the candidates' (the single-read CUDA kernel reads 16-bit dtypes only)."""
     config = config or BACKWARD_CONFIG
     k_pad = next_power_of_2(K + 1)
-    whole_row = next_power_of_2(H) <= ROWS_BACKWARD_MAX_H
     kernel = config.kernel
-    if kernel == "auto":
+    if kernel in ("auto", "single_read") and single_read_supported(K, H, device, element_size,
+                                                                   config.vectors_per_thread):
+        return _backward.BackwardPlan(num_programs=min(T, num_sms(device)), block_h=H, k_pad=k_pad, acc64=True,
+                                      kernel="single_read", vectors_per_thread=config.vectors_per_thread,
+                                      reduce_options=(("num_warps", REDUCE_NUM_WARPS),))
+    whole_row = next_power_of_2(H) <= ROWS_BACKWARD_MAX_H
+    if kernel in ("auto", "single_read"):
         kernel = "stats_apply" if T * (K + 1) >= SPLIT_BACKWARD_MIN_ROWS else "rows"
     kernel = kernel if kernel != "tiles" and whole_row else "tiles"
     block_h = next_power_of_2(H) if kernel != "tiles" else min(next_power_of_2(H), max(16, config.tile_elems // k_pad))
@@ -635,7 +692,11 @@ def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_re
     if trivial is not None:
         return trivial
     T, C, H = block_residual.shape
-    plan = choose_backward_plan(T, int(num_valid_blocks), H, prefix_sum.device, config)
+    plan = choose_backward_plan(T, int(num_valid_blocks), H, prefix_sum.device, config, prefix_sum.element_size())
+    if plan.kernel == "single_read" and not _single_read_layout_ok(grad_out, prefix_sum, block_residual):
+        # The choice "auto" makes without the C++ kernel (element size 0 rules it out): the Triton kernels take
+        # any strides and alignment.
+        plan = choose_backward_plan(T, int(num_valid_blocks), H, prefix_sum.device, config, element_size=0)
     with _device_guard(prefix_sum):
         return _backward.run_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
                                                num_valid_blocks, eps, output_mask, plan)

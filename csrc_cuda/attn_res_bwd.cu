@@ -1,0 +1,369 @@
+// The single-read CUDA backward of kimi_k3::attn_res (issue 5). Math: docs/attn_res_backward.md.
+//
+// Why a CUDA C++ kernel next to the Triton ones: the backward needs every candidate twice per token (statistics,
+// then dv), and its bandwidth target needs the second read to come from on-chip memory. The Triton split reads
+// the inputs twice from DRAM (ceiling ~0.61 of copy bandwidth at K = 8); the Triton streaming kernel reads once
+// but is issue-bound (docs/benchmarks.md, "Sixth session"). Here one program per SM walks a contiguous token
+// range and holds one token in registers while the next one streams into shared memory:
+//
+//   * every thread owns the same 16-byte column vectors of every row (vector v = thread + k * threads): it
+//     copies them from global to shared memory (cp.async, no registers held while in flight), later loads them
+//     into registers, and only it ever touches those shared-memory slots, so the copy of token t + 1 can be
+//     issued into the slots of token t as soon as the thread has consumed them, with no barrier;
+//   * pass 1 (statistics) runs from registers: per candidate, sum(v^2), <v, w>, <v, gy> in FP32 over the
+//     thread's 8 or 16 elements, then FP64 across the warp (shuffles) and across warps (shared memory, a fixed
+//     order) -- the accuracy contract's margin, as in the Triton kernels' FP64 statistics;
+//   * warp 0 computes the softmax and its backward in FP64 and leaves three FP32 coefficients per candidate;
+//   * pass 2 writes dv from the same registers and adds the token's dw into the program's FP64 shared-memory
+//     row, which goes to workspace[program] at the end (summed over programs in a fixed order by the Triton
+//     reduction: no atomics, identical bits from run to run).
+//
+// DRAM traffic is the backward's own bytes: each input row is read once and each output row written once.
+#include "attn_res_bwd.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+namespace k3_ops::cuda {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kMaxThreads = 1024;
+constexpr int kElemsPerVector = 8;  // 16 bytes of a 16-bit dtype
+
+template <typename T>
+struct Pack;
+
+template <>
+struct Pack<__nv_bfloat16> {
+  // Two bf16 in one 32-bit word (element 0 in the low half) <-> two floats.
+  __device__ static float2 unpack(uint32_t u) {
+    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+  }
+  __device__ static uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <>
+struct Pack<__half> {
+  __device__ static float2 unpack(uint32_t u) { return __half22float2(*reinterpret_cast<__half2*>(&u)); }
+  __device__ static uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+__device__ __forceinline__ uint32_t word(const uint4& u, int j) {
+  return j == 0 ? u.x : j == 1 ? u.y : j == 2 ? u.z : u.w;
+}
+
+__device__ __forceinline__ void set_word(uint4& u, int j, uint32_t v) {
+  if (j == 0) u.x = v; else if (j == 1) u.y = v; else if (j == 2) u.z = v; else u.w = v;
+}
+
+__device__ __forceinline__ float load_weight(const void* p, IoDtype dtype, int64_t i) {
+  switch (dtype) {
+    case IoDtype::kFloat32: return static_cast<const float*>(p)[i];
+    case IoDtype::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    default: return __half2float(static_cast<const __half*>(p)[i]);
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ double warp_max(double v) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Row r of a token, as the kernel numbers them: 0 = grad_out, 1 = the prefix (candidate v_K), 2 + i = v_i.
+// Fixed register positions for grad_out and the prefix keep every register array index a compile-time constant.
+template <typename T>
+__device__ __forceinline__ const T* input_row(const SingleReadBwdArgs& a, int64_t t, int r) {
+  if (r == 0) return static_cast<const T*>(a.grad_out) + t * a.stride_gyt;
+  if (r == 1) return static_cast<const T*>(a.prefix) + t * a.stride_pt;
+  return static_cast<const T*>(a.blocks) + t * a.stride_bt + (r - 2) * a.stride_bc;
+}
+
+// Copy token t's rows (this thread's vectors only) into shared memory, asynchronously.
+template <typename T, int VPT>
+__device__ __forceinline__ void prefetch_token(const SingleReadBwdArgs& a, uint4* rows_s, int64_t t, int nrows,
+                                               int nvec) {
+  for (int r = 0; r < nrows; ++r) {
+    const uint4* src = reinterpret_cast<const uint4*>(input_row<T>(a, t, r));
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int v = threadIdx.x + k * blockDim.x;
+      if (v < nvec) cp_async16(&rows_s[r * nvec + v], src + v);
+    }
+  }
+  cp_async_commit();
+}
+
+// Shared memory: rows [nrows][nvec] uint4 | dw [8][nvec] double | red [warps][3 * MAXR] double | coef [3][MAXR].
+template <typename T, int VPT, int MAXR>
+__global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read_kernel(SingleReadBwdArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  using P = Pack<T>;
+  const int tid = threadIdx.x;
+  const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
+  const int nwarps = blockDim.x / kWarpSize;
+  const int K = static_cast<int>(a.K);
+  const int nrows = K + 2;
+  const int64_t H = a.H;
+  const int nvec = static_cast<int>(H / kElemsPerVector);
+  uint4* rows_s = reinterpret_cast<uint4*>(smem);
+  double* dw_s = reinterpret_cast<double*>(rows_s + static_cast<size_t>(nrows) * nvec);
+  double* red_s = dw_s + static_cast<size_t>(kElemsPerVector) * nvec;
+  float* coef_s = reinterpret_cast<float*>(red_s + nwarps * 3 * MAXR);
+
+  const int64_t t_begin = static_cast<int64_t>(blockIdx.x) * a.tokens_per_prog;
+  const int64_t t_end = t_begin + a.tokens_per_prog < a.T ? t_begin + a.tokens_per_prog : a.T;
+  const bool compute_dw = a.workspace != nullptr;
+  if (t_begin < t_end) prefetch_token<T, VPT>(a, rows_s, t_begin, nrows, nvec);
+
+  // The folded weight w = norm_weight * proj_weight in FP32 (as the reference folds it), for this thread's columns.
+  float w[VPT][kElemsPerVector];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int v = tid + k * blockDim.x;
+#pragma unroll
+    for (int e = 0; e < kElemsPerVector; ++e) {
+      const int64_t h = static_cast<int64_t>(v) * kElemsPerVector + e;
+      w[k][e] = v < nvec ? load_weight(a.norm_weight, a.nw_dtype, h) * load_weight(a.proj_weight, a.pw_dtype, h) : 0.f;
+      if (compute_dw && v < nvec) dw_s[e * nvec + v] = 0.0;
+    }
+  }
+
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    cp_async_wait_all();  // this thread's own copies of token t have landed (only it reads those slots)
+    uint4 x[MAXR][VPT];
+#pragma unroll
+    for (int r = 0; r < MAXR; ++r) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int v = tid + k * blockDim.x;
+        x[r][k] = (r < nrows && v < nvec) ? rows_s[r * nvec + v] : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    float gy[VPT][kElemsPerVector];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 g = P::unpack(word(x[0][k], j));
+        gy[k][2 * j] = g.x;
+        gy[k][2 * j + 1] = g.y;
+      }
+    }
+
+    // Pass 1: per candidate row, three FP32 sums over this thread's elements, FP64 across the warp.
+#pragma unroll
+    for (int r = 1; r < MAXR; ++r) {
+      if (r < nrows) {
+        float ss = 0.f, dd = 0.f, gg = 0.f;
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 v = P::unpack(word(x[r][k], j));
+            ss = fmaf(v.x, v.x, ss);
+            ss = fmaf(v.y, v.y, ss);
+            dd = fmaf(v.x, w[k][2 * j], dd);
+            dd = fmaf(v.y, w[k][2 * j + 1], dd);
+            gg = fmaf(v.x, gy[k][2 * j], gg);
+            gg = fmaf(v.y, gy[k][2 * j + 1], gg);
+          }
+        }
+        const double s0 = warp_sum(static_cast<double>(ss));
+        const double s1 = warp_sum(static_cast<double>(dd));
+        const double s2 = warp_sum(static_cast<double>(gg));
+        if (lane == 0) {
+          double* out = red_s + warp * 3 * MAXR + 3 * r;
+          out[0] = s0;
+          out[1] = s1;
+          out[2] = s2;
+        }
+      }
+    }
+
+    // Every register of token t has been consumed by pass 1's arithmetic (so its shared-memory loads are done):
+    // the slots can take token t + 1 now, while this token's reduction and pass 2 run.
+    if (t + 1 < t_end) prefetch_token<T, VPT>(a, rows_s, t + 1, nrows, nvec);
+    __syncthreads();
+
+    if (warp == 0) {
+      // Lane l holds candidate row l + 1: totals over warps in a fixed order, then softmax and its backward.
+      const int r = lane + 1;
+      const bool valid = r < nrows;
+      double ss = 0.0, dd = 0.0, gg = 0.0;
+      if (valid) {
+        for (int q = 0; q < nwarps; ++q) {
+          const double* in = red_s + q * 3 * MAXR + 3 * r;
+          ss += in[0];
+          dd += in[1];
+          gg += in[2];
+        }
+      }
+      const double rr = valid ? 1.0 / sqrt(ss / static_cast<double>(H) + a.eps) : 0.0;
+      const double score = rr * dd;
+      const double m = warp_max(valid ? score : -INFINITY);
+      const double e = valid ? exp(score - m) : 0.0;
+      const double p = e / warp_sum(e);
+      const double gs = p * (gg - warp_sum(p * gg));
+      if (valid) {
+        coef_s[r] = static_cast<float>(p);                                          // times gy
+        coef_s[MAXR + r] = static_cast<float>(gs * rr);                             // times w (and dw's factor)
+        coef_s[2 * MAXR + r] = static_cast<float>(gs * dd * rr * rr * rr / static_cast<double>(H));  // times -v
+      }
+    }
+    __syncthreads();
+
+    // Pass 2: dv_r = p gy + gs r w - (gs d r^3 / H) v, from the same registers; dw_t = sum_r gs r v in FP32.
+    float dwt[VPT][kElemsPerVector];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+      for (int e = 0; e < kElemsPerVector; ++e) dwt[k][e] = 0.f;
+    }
+#pragma unroll
+    for (int r = 1; r < MAXR; ++r) {
+      if (r < nrows) {
+        const float ca = coef_s[r], cb = coef_s[MAXR + r], cc = coef_s[2 * MAXR + r];
+        T* dst = r == 1 ? (a.grad_prefix ? static_cast<T*>(a.grad_prefix) + t * H : nullptr)
+                        : (a.grad_blocks ? static_cast<T*>(a.grad_blocks) + (t * a.C + (r - 2)) * H : nullptr);
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+          const int v = tid + k * blockDim.x;
+          uint4 o;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 vv = P::unpack(word(x[r][k], j));
+            const float d0 = fmaf(-cc, vv.x, fmaf(cb, w[k][2 * j], ca * gy[k][2 * j]));
+            const float d1 = fmaf(-cc, vv.y, fmaf(cb, w[k][2 * j + 1], ca * gy[k][2 * j + 1]));
+            set_word(o, j, P::pack(d0, d1));
+            dwt[k][2 * j] = fmaf(cb, vv.x, dwt[k][2 * j]);
+            dwt[k][2 * j + 1] = fmaf(cb, vv.y, dwt[k][2 * j + 1]);
+          }
+          if (dst && v < nvec) reinterpret_cast<uint4*>(dst)[v] = o;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int v = tid + k * blockDim.x;
+      if (v < nvec) {
+        if (compute_dw) {
+#pragma unroll
+          for (int e = 0; e < kElemsPerVector; ++e) dw_s[e * nvec + v] += static_cast<double>(dwt[k][e]);
+        }
+        if (a.grad_blocks) {  // exact zeros at the slots >= K (never read)
+          for (int64_t c = K; c < a.C; ++c)
+            reinterpret_cast<uint4*>(static_cast<T*>(a.grad_blocks) + (t * a.C + c) * H)[v] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
+  }
+
+  if (compute_dw) {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int v = tid + k * blockDim.x;
+      if (v < nvec) {
+        double* out = a.workspace + static_cast<int64_t>(blockIdx.x) * H + static_cast<int64_t>(v) * kElemsPerVector;
+#pragma unroll
+        for (int e = 0; e < kElemsPerVector; ++e) out[e] = dw_s[e * nvec + v];
+      }
+    }
+  }
+}
+
+int rows_variant(int64_t K) {
+  const int64_t nrows = K + 2;
+  return nrows <= 3 ? 3 : nrows <= 6 ? 6 : nrows <= kSingleReadMaxRows ? kSingleReadMaxRows : 0;
+}
+
+template <typename T, int VPT, int MAXR>
+cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
+  const int threads = single_read_threads(a.H, VPT);
+  const size_t smem = single_read_smem_bytes(a.K, a.H, a.io_dtype, VPT);
+  auto kernel = attn_res_bwd_single_read_kernel<T, VPT, MAXR>;
+  // More than 48 KB of dynamic shared memory needs an opt-in per function (and device); cheap, so set every call.
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, threads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, int VPT>
+cudaError_t launch_rows(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
+  switch (rows_variant(a.K)) {
+    case 3: return launch_typed<T, VPT, 3>(a, grid, stream);
+    case 6: return launch_typed<T, VPT, 6>(a, grid, stream);
+    case kSingleReadMaxRows: return launch_typed<T, VPT, kSingleReadMaxRows>(a, grid, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t launch_vpt(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
+  return a.vectors_per_thread == 1 ? launch_rows<T, 1>(a, grid, stream) : launch_rows<T, 2>(a, grid, stream);
+}
+
+}  // namespace
+
+int single_read_threads(int64_t H, int vectors_per_thread) {
+  if (H <= 0 || H % kElemsPerVector != 0 || (vectors_per_thread != 1 && vectors_per_thread != 2)) return 0;
+  const int64_t nvec = H / kElemsPerVector;
+  const int64_t threads = (nvec + vectors_per_thread - 1) / vectors_per_thread;
+  const int64_t rounded = (threads + kWarpSize - 1) / kWarpSize * kWarpSize;
+  return rounded <= kMaxThreads / vectors_per_thread ? static_cast<int>(rounded) : 0;
+}
+
+size_t single_read_smem_bytes(int64_t K, int64_t H, IoDtype io_dtype, int vectors_per_thread) {
+  const int threads = single_read_threads(H, vectors_per_thread);
+  const int maxr = rows_variant(K);
+  if (threads == 0 || maxr == 0 || K < 1 || io_dtype == IoDtype::kFloat32) return 0;
+  const size_t nvec = static_cast<size_t>(H / kElemsPerVector);
+  return (static_cast<size_t>(K) + 2) * nvec * 16 + kElemsPerVector * nvec * sizeof(double) +
+         static_cast<size_t>(threads / kWarpSize) * 3 * maxr * sizeof(double) + 3 * maxr * sizeof(float);
+}
+
+cudaError_t launch_single_read_bwd(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
+  if (grid <= 0 || single_read_smem_bytes(a.K, a.H, a.io_dtype, a.vectors_per_thread) == 0) return cudaErrorInvalidValue;
+  return a.io_dtype == IoDtype::kBFloat16 ? launch_vpt<__nv_bfloat16>(a, grid, stream)
+                                          : launch_vpt<__half>(a, grid, stream);
+}
+
+}  // namespace k3_ops::cuda

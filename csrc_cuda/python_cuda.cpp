@@ -1,0 +1,110 @@
+// k3_ops._C's CUDA functions (built only where a CUDA toolkit and a CUDA torch are present; see setup.py).
+//
+// The launch policy (k3_ops/backends/cuda.py) decides when the single-read backward runs and has checked the
+// arguments (kimi_k3::attn_res_backward's rules plus this kernel's: 16-bit candidates, unit hidden strides,
+// 16-byte aligned rows, K <= 8); the checks here are internal invariants, so a violation is a bug, not bad input.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "attn_res_bwd.h"
+
+namespace {
+
+namespace kc = k3_ops::cuda;
+
+kc::IoDtype io_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kc::IoDtype::kFloat32;
+    case at::kBFloat16: return kc::IoDtype::kBFloat16;
+    case at::kHalf: return kc::IoDtype::kFloat16;
+    default: TORCH_CHECK(false, "attn_res_bwd_single_read: unsupported dtype ", t.scalar_type());
+  }
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// The kernel's shared memory depends on the candidates' element size only (it reads bf16 and fp16).
+int64_t smem_bytes(int64_t K, int64_t H, int64_t element_size, int64_t vectors_per_thread) {
+  if (element_size != 2) return 0;
+  return static_cast<int64_t>(
+      kc::single_read_smem_bytes(K, H, kc::IoDtype::kBFloat16, static_cast<int>(vectors_per_thread)));
+}
+
+void attn_res_bwd_single_read(const at::Tensor& grad_out, const at::Tensor& prefix, const at::Tensor& blocks,
+                              const at::Tensor& norm_weight, const at::Tensor& proj_weight,
+                              const c10::optional<at::Tensor>& grad_prefix,
+                              const c10::optional<at::Tensor>& grad_blocks, const c10::optional<at::Tensor>& workspace,
+                              int64_t num_valid_blocks, double eps, int64_t tokens_per_prog, int64_t grid,
+                              int64_t vectors_per_thread) {
+  const int64_t T = blocks.size(0), C = blocks.size(1), H = blocks.size(2);
+  TORCH_CHECK(prefix.is_cuda() && prefix.dim() == 2 && grad_out.dim() == 2, "attn_res_bwd_single_read: bad inputs");
+  TORCH_CHECK(grad_out.scalar_type() == prefix.scalar_type() && blocks.scalar_type() == prefix.scalar_type(),
+              "attn_res_bwd_single_read: candidates and grad_out must share one dtype");
+  TORCH_CHECK(grad_out.stride(1) == 1 && prefix.stride(1) == 1 && blocks.stride(2) == 1,
+              "attn_res_bwd_single_read: hidden strides must be 1");
+  TORCH_CHECK(aligned16(grad_out) && aligned16(prefix) && aligned16(blocks) && grad_out.stride(0) % 8 == 0 &&
+                  prefix.stride(0) % 8 == 0 && blocks.stride(0) % 8 == 0 && blocks.stride(1) % 8 == 0,
+              "attn_res_bwd_single_read: rows must start on 16-byte boundaries");
+  TORCH_CHECK(norm_weight.is_contiguous() && proj_weight.is_contiguous() && norm_weight.numel() == H &&
+                  proj_weight.numel() == H,
+              "attn_res_bwd_single_read: weights must be contiguous [H]");
+  TORCH_CHECK(prefix.element_size() == 2 && smem_bytes(num_valid_blocks, H, 2, vectors_per_thread) > 0,
+              "attn_res_bwd_single_read: unsupported shape (K=", num_valid_blocks, ", H=", H, ")");
+  TORCH_CHECK(grid >= 1 && grid * tokens_per_prog >= T, "attn_res_bwd_single_read: grid does not cover T");
+  for (const auto* out : {&grad_prefix, &grad_blocks}) {
+    TORCH_CHECK(!out->has_value() || ((*out)->is_contiguous() && aligned16(**out)),
+                "attn_res_bwd_single_read: outputs must be contiguous and 16-byte aligned");
+  }
+  TORCH_CHECK(!grad_prefix.has_value() || grad_prefix->sizes() == prefix.sizes(), "grad_prefix shape");
+  TORCH_CHECK(!grad_blocks.has_value() || grad_blocks->sizes() == blocks.sizes(), "grad_blocks shape");
+  TORCH_CHECK(!workspace.has_value() || (workspace->scalar_type() == at::kDouble && workspace->is_contiguous() &&
+                                         workspace->size(0) == grid && workspace->size(1) == H),
+              "attn_res_bwd_single_read: workspace must be contiguous [grid, H] float64");
+
+  kc::SingleReadBwdArgs a{};
+  a.grad_out = grad_out.data_ptr();
+  a.prefix = prefix.data_ptr();
+  a.blocks = blocks.data_ptr();
+  a.norm_weight = norm_weight.data_ptr();
+  a.proj_weight = proj_weight.data_ptr();
+  a.grad_prefix = grad_prefix.has_value() ? grad_prefix->data_ptr() : nullptr;
+  a.grad_blocks = grad_blocks.has_value() ? grad_blocks->data_ptr() : nullptr;
+  a.workspace = workspace.has_value() ? workspace->data_ptr<double>() : nullptr;
+  a.T = T;
+  a.K = num_valid_blocks;
+  a.C = C;
+  a.H = H;
+  a.stride_gyt = grad_out.stride(0);
+  a.stride_pt = prefix.stride(0);
+  a.stride_bt = blocks.stride(0);
+  a.stride_bc = blocks.stride(1);
+  a.tokens_per_prog = tokens_per_prog;
+  a.eps = eps;
+  a.io_dtype = io_dtype(prefix);
+  a.nw_dtype = io_dtype(norm_weight);
+  a.pw_dtype = io_dtype(proj_weight);
+  a.vectors_per_thread = static_cast<int>(vectors_per_thread);
+
+  const c10::cuda::CUDAGuard guard(prefix.device());
+  const cudaError_t err = kc::launch_single_read_bwd(a, static_cast<int>(grid), at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "attn_res_bwd_single_read launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+namespace k3_ops {
+
+void register_cuda_functions(py::module& m) {
+  m.def("attn_res_bwd_single_read", &attn_res_bwd_single_read,
+        "The single-read CUDA backward (csrc_cuda/attn_res_bwd.cu): gradients of one attn_res call; the weight "
+        "gradient as per-program FP64 partials in workspace",
+        py::arg("grad_out"), py::arg("prefix"), py::arg("blocks"), py::arg("norm_weight"), py::arg("proj_weight"),
+        py::arg("grad_prefix"), py::arg("grad_blocks"), py::arg("workspace"), py::arg("num_valid_blocks"),
+        py::arg("eps"), py::arg("tokens_per_prog"), py::arg("grid"), py::arg("vectors_per_thread"));
+  m.def("attn_res_bwd_single_read_smem_bytes", &smem_bytes,
+        "Dynamic shared memory of one single-read backward program (bytes; 0: shape or dtype not supported)",
+        py::arg("num_valid_blocks"), py::arg("hidden_size"), py::arg("element_size"), py::arg("vectors_per_thread"));
+}
+
+}  // namespace k3_ops
