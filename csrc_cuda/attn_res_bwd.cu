@@ -8,12 +8,14 @@
 //
 //   * every thread owns the same 16-byte column vectors of every row (vector v = thread + k * threads): it
 //     copies them from global to shared memory (cp.async, no registers held while in flight), later loads them
-//     into registers, and only it ever touches those shared-memory slots, so the copy of token t + 1 can be
-//     issued into the slots of token t as soon as the thread has consumed them, with no barrier;
+//     into registers, and only it ever touches those shared-memory slots; so as soon as it holds token t in
+//     registers it issues the copy of token t + 1 into the same slots, with no barrier, and the DRAM reads of
+//     t + 1 overlap all of t's arithmetic;
 //   * pass 1 (statistics) runs from registers: per candidate, sum(v^2), <v, w>, <v, gy> in FP32 over the
 //     thread's 8 or 16 elements, then FP64 across the warp (shuffles) and across warps (shared memory, a fixed
 //     order) -- the accuracy contract's margin, as in the Triton kernels' FP64 statistics;
-//   * warp 0 computes the softmax and its backward in FP64 and leaves three FP32 coefficients per candidate;
+//   * after the token's one barrier every warp computes the softmax and its backward in FP64 (lane l for
+//     candidate l + 1) and keeps three FP32 coefficients per candidate;
 //   * pass 2 writes dv from the same registers and adds the token's dw into the program's FP64 shared-memory
 //     row, which goes to workspace[program] at the end (summed over programs in a fixed order by the Triton
 //     reduction: no atomics, identical bits from run to run).
@@ -32,6 +34,7 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr int kMaxThreads = 1024;
 constexpr int kElemsPerVector = 8;  // 16 bytes of a 16-bit dtype
+constexpr int kThreadsH7168 = 7168 / kElemsPerVector / 2;  // 448: Kimi K3's row, two vectors per thread
 
 template <typename T>
 struct Pack;
@@ -130,9 +133,11 @@ __device__ __forceinline__ void prefetch_token(const SingleReadBwdArgs& a, uint4
   cp_async_commit();
 }
 
-// Shared memory: rows [nrows][nvec] uint4 | dw [8][nvec] double | red [warps][3 * MAXR] double | coef [3][MAXR].
-template <typename T, int VPT, int MAXR>
-__global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read_kernel(SingleReadBwdArgs a) {
+// Shared memory: rows [nrows][nvec] uint4 | dw [8][nvec] double | red [2][warps][3 * MAXR] double.
+// MAXT (the launch's thread bound) sets ptxas's register budget, 65536 / MAXT per thread: at H = 7168 with two
+// vectors per thread, 448 threads can have 144 registers and the K = 8 variant needs about that many.
+template <typename T, int VPT, int MAXR, int MAXT>
+__global__ void __launch_bounds__(MAXT, 1) attn_res_bwd_single_read_kernel(SingleReadBwdArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   using P = Pack<T>;
   const int tid = threadIdx.x;
@@ -145,8 +150,7 @@ __global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read
   const int nvec = static_cast<int>(H / kElemsPerVector);
   uint4* rows_s = reinterpret_cast<uint4*>(smem);
   double* dw_s = reinterpret_cast<double*>(rows_s + static_cast<size_t>(nrows) * nvec);
-  double* red_s = dw_s + static_cast<size_t>(kElemsPerVector) * nvec;
-  float* coef_s = reinterpret_cast<float*>(red_s + nwarps * 3 * MAXR);
+  double* red_s = dw_s + static_cast<size_t>(kElemsPerVector) * nvec;  // two buffers, by token parity
 
   const int64_t t_begin = static_cast<int64_t>(blockIdx.x) * a.tokens_per_prog;
   const int64_t t_end = t_begin + a.tokens_per_prog < a.T ? t_begin + a.tokens_per_prog : a.T;
@@ -177,6 +181,11 @@ __global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read
         x[r][k] = (r < nrows && v < nvec) ? rows_s[r * nvec + v] : make_uint4(0u, 0u, 0u, 0u);
       }
     }
+    // Token t is in registers: the same slots take token t + 1 now, so its DRAM reads overlap all of token t's
+    // work. A thread's later write cannot reach its own earlier load of the same address (per-thread coherence;
+    // the "memory" clobber keeps the compiler from sinking the loads past the copy).
+    if (t + 1 < t_end) prefetch_token<T, VPT>(a, rows_s, t + 1, nrows, nvec);
+    double* red = red_s + (t & 1) * nwarps * 3 * MAXR;
     float gy[VPT][kElemsPerVector];
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -210,7 +219,7 @@ __global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read
         const double s1 = warp_sum(static_cast<double>(dd));
         const double s2 = warp_sum(static_cast<double>(gg));
         if (lane == 0) {
-          double* out = red_s + warp * 3 * MAXR + 3 * r;
+          double* out = red + warp * 3 * MAXR + 3 * r;
           out[0] = s0;
           out[1] = s1;
           out[2] = s2;
@@ -218,37 +227,34 @@ __global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read
       }
     }
 
-    // Every register of token t has been consumed by pass 1's arithmetic (so its shared-memory loads are done):
-    // the slots can take token t + 1 now, while this token's reduction and pass 2 run.
-    if (t + 1 < t_end) prefetch_token<T, VPT>(a, rows_s, t + 1, nrows, nvec);
+    // One barrier per token: every warp then computes the softmax and its backward itself (the same FP64 values
+    // in the same order in every warp), lane l for candidate row l + 1, instead of one warp computing them for a
+    // second barrier. The partials are double-buffered by token parity: token t + 1 writes the other buffer, and
+    // token t + 2 writes this one only after every warp has passed token t + 1's barrier, i.e. finished reading.
     __syncthreads();
-
-    if (warp == 0) {
-      // Lane l holds candidate row l + 1: totals over warps in a fixed order, then softmax and its backward.
+    float ca_l, cb_l, cc_l;  // this lane's candidate: dv = ca gy + cb w - cc v, dw += cb v
+    {
       const int r = lane + 1;
       const bool valid = r < nrows;
       double ss = 0.0, dd = 0.0, gg = 0.0;
       if (valid) {
-        for (int q = 0; q < nwarps; ++q) {
-          const double* in = red_s + q * 3 * MAXR + 3 * r;
+        for (int q = 0; q < nwarps; ++q) {  // a fixed order: identical bits in every warp and run
+          const double* in = red + q * 3 * MAXR + 3 * r;
           ss += in[0];
           dd += in[1];
           gg += in[2];
         }
       }
-      const double rr = valid ? 1.0 / sqrt(ss / static_cast<double>(H) + a.eps) : 0.0;
+      const double rr = valid ? rsqrt(ss / static_cast<double>(H) + a.eps) : 0.0;
       const double score = rr * dd;
       const double m = warp_max(valid ? score : -INFINITY);
       const double e = valid ? exp(score - m) : 0.0;
-      const double p = e / warp_sum(e);
+      const double p = e * (1.0 / warp_sum(e));
       const double gs = p * (gg - warp_sum(p * gg));
-      if (valid) {
-        coef_s[r] = static_cast<float>(p);                                          // times gy
-        coef_s[MAXR + r] = static_cast<float>(gs * rr);                             // times w (and dw's factor)
-        coef_s[2 * MAXR + r] = static_cast<float>(gs * dd * rr * rr * rr / static_cast<double>(H));  // times -v
-      }
+      ca_l = static_cast<float>(p);
+      cb_l = static_cast<float>(gs * rr);
+      cc_l = static_cast<float>(gs * dd * rr * rr * rr / static_cast<double>(H));
     }
-    __syncthreads();
 
     // Pass 2: dv_r = p gy + gs r w - (gs d r^3 / H) v, from the same registers; dw_t = sum_r gs r v in FP32.
     float dwt[VPT][kElemsPerVector];
@@ -260,7 +266,8 @@ __global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read
 #pragma unroll
     for (int r = 1; r < MAXR; ++r) {
       if (r < nrows) {
-        const float ca = coef_s[r], cb = coef_s[MAXR + r], cc = coef_s[2 * MAXR + r];
+        const float ca = __shfl_sync(0xffffffffu, ca_l, r - 1), cb = __shfl_sync(0xffffffffu, cb_l, r - 1),
+                    cc = __shfl_sync(0xffffffffu, cc_l, r - 1);
         T* dst = r == 1 ? (a.grad_prefix ? static_cast<T*>(a.grad_prefix) + t * H : nullptr)
                         : (a.grad_blocks ? static_cast<T*>(a.grad_blocks) + (t * a.C + (r - 2)) * H : nullptr);
 #pragma unroll
@@ -314,11 +321,11 @@ int rows_variant(int64_t K) {
   return nrows <= 3 ? 3 : nrows <= 6 ? 6 : nrows <= kSingleReadMaxRows ? kSingleReadMaxRows : 0;
 }
 
-template <typename T, int VPT, int MAXR>
+template <typename T, int VPT, int MAXR, int MAXT>
 cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
   const int threads = single_read_threads(a.H, VPT);
   const size_t smem = single_read_smem_bytes(a.K, a.H, a.io_dtype, VPT);
-  auto kernel = attn_res_bwd_single_read_kernel<T, VPT, MAXR>;
+  auto kernel = attn_res_bwd_single_read_kernel<T, VPT, MAXR, MAXT>;
   // More than 48 KB of dynamic shared memory needs an opt-in per function (and device); cheap, so set every call.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
@@ -326,19 +333,22 @@ cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stre
   return cudaGetLastError();
 }
 
-template <typename T, int VPT>
+template <typename T, int VPT, int MAXT>
 cudaError_t launch_rows(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
   switch (rows_variant(a.K)) {
-    case 3: return launch_typed<T, VPT, 3>(a, grid, stream);
-    case 6: return launch_typed<T, VPT, 6>(a, grid, stream);
-    case kSingleReadMaxRows: return launch_typed<T, VPT, kSingleReadMaxRows>(a, grid, stream);
+    case 3: return launch_typed<T, VPT, 3, MAXT>(a, grid, stream);
+    case 6: return launch_typed<T, VPT, 6, MAXT>(a, grid, stream);
+    case kSingleReadMaxRows: return launch_typed<T, VPT, kSingleReadMaxRows, MAXT>(a, grid, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T>
 cudaError_t launch_vpt(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
-  return a.vectors_per_thread == 1 ? launch_rows<T, 1>(a, grid, stream) : launch_rows<T, 2>(a, grid, stream);
+  if (a.vectors_per_thread == 1) return launch_rows<T, 1, kMaxThreads>(a, grid, stream);
+  // Two vectors per thread: a tighter thread bound (more registers) where the row allows it (H <= 7168).
+  return single_read_threads(a.H, 2) <= kThreadsH7168 ? launch_rows<T, 2, kThreadsH7168>(a, grid, stream)
+                                                      : launch_rows<T, 2, kMaxThreads / 2>(a, grid, stream);
 }
 
 }  // namespace
@@ -357,7 +367,7 @@ size_t single_read_smem_bytes(int64_t K, int64_t H, IoDtype io_dtype, int vector
   if (threads == 0 || maxr == 0 || K < 1 || io_dtype == IoDtype::kFloat32) return 0;
   const size_t nvec = static_cast<size_t>(H / kElemsPerVector);
   return (static_cast<size_t>(K) + 2) * nvec * 16 + kElemsPerVector * nvec * sizeof(double) +
-         static_cast<size_t>(threads / kWarpSize) * 3 * maxr * sizeof(double) + 3 * maxr * sizeof(float);
+         2 * static_cast<size_t>(threads / kWarpSize) * 3 * maxr * sizeof(double);
 }
 
 cudaError_t launch_single_read_bwd(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
