@@ -35,6 +35,7 @@ constexpr int kWarpSize = 32;
 constexpr int kMaxThreads = 1024;
 constexpr int kElemsPerVector = 8;  // 16 bytes of a 16-bit dtype
 constexpr int kThreadsH7168 = 7168 / kElemsPerVector / 2;  // 448: Kimi K3's row, two vectors per thread
+constexpr int kRowsPerGroup = 5;  // candidate rows per warp butterfly (15 of its 16 values)
 
 template <typename T>
 struct Pack;
@@ -101,6 +102,41 @@ __device__ __forceinline__ double warp_sum(double v) {
 #pragma unroll
   for (int o = kWarpSize / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// Sum N per-lane values over the warp with a transposing butterfly: at each of the first log2(N) levels a lane
+// keeps half of its values and receives its partner's copies of them, so the whole reduction costs about N
+// shuffles instead of 5 N. Returns this lane's total, of value index butterfly_index<N>(lane); the 32 / N lanes
+// that share an index hold the same total. FP32 throughout: each total is a 5-level tree over lanes of 8- or
+// 16-element in-thread sums, a shorter FP32 chain than the eager formula's (the FP64 sum starts across warps).
+template <int N>
+__device__ __forceinline__ float warp_sum_transposed(float (&v)[N], int lane) {
+  static_assert(N >= 2 && N <= 32 && (N & (N - 1)) == 0, "N must be a power of two in [2, 32]");
+#pragma unroll
+  for (int level = 0, half = N / 2; half >= 1; ++level, half /= 2) {
+    const int offset = kWarpSize / 2 >> level;
+    const bool upper = lane & offset;
+#pragma unroll
+    for (int j = 0; j < half; ++j) {
+      const float send = upper ? v[j] : v[j + half];
+      const float keep = upper ? v[j + half] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+    }
+  }
+  float total = v[0];
+#pragma unroll
+  for (int offset = kWarpSize / N / 2; offset >= 1; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+  return total;
+}
+
+template <int N>
+__device__ __forceinline__ int butterfly_index(int lane) {
+  int index = 0;
+#pragma unroll
+  for (int level = 0, half = N / 2; half >= 1; ++level, half /= 2) {
+    if (lane & (kWarpSize / 2 >> level)) index += half;
+  }
+  return index;
 }
 
 __device__ __forceinline__ double warp_max(double v) {
@@ -197,34 +233,35 @@ __global__ void __launch_bounds__(MAXT, 1) attn_res_bwd_single_read_kernel(Singl
       }
     }
 
-    // Pass 1: per candidate row, three FP32 sums over this thread's elements, FP64 across the warp.
+    // Pass 1: per candidate row, three FP32 sums over this thread's elements -- sum(v^2), <v, w>, <v, gy>, value
+    // index 3 (r - 1) + q -- then summed over the warp in groups of up to five rows (15 values, one butterfly).
 #pragma unroll
-    for (int r = 1; r < MAXR; ++r) {
-      if (r < nrows) {
-        float ss = 0.f, dd = 0.f, gg = 0.f;
+    for (int r0 = 1; r0 < MAXR; r0 += kRowsPerGroup) {
+      constexpr int kN = MAXR - 1 <= 2 ? 8 : 16;  // values per butterfly, a power of two >= 3 x rows in the group
+      float part[kN];
 #pragma unroll
-        for (int k = 0; k < VPT; ++k) {
+      for (int i = 0; i < kN; ++i) part[i] = 0.f;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 v = P::unpack(word(x[r][k], j));
-            ss = fmaf(v.x, v.x, ss);
-            ss = fmaf(v.y, v.y, ss);
-            dd = fmaf(v.x, w[k][2 * j], dd);
-            dd = fmaf(v.y, w[k][2 * j + 1], dd);
-            gg = fmaf(v.x, gy[k][2 * j], gg);
-            gg = fmaf(v.y, gy[k][2 * j + 1], gg);
+      for (int dr = 0; dr < kRowsPerGroup; ++dr) {
+        const int r = r0 + dr;
+        if (r < MAXR && 3 * dr + 2 < kN && r < nrows) {  // the first two are compile-time
+#pragma unroll
+          for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 v = P::unpack(word(x[r][k], j));
+              part[3 * dr] = fmaf(v.y, v.y, fmaf(v.x, v.x, part[3 * dr]));
+              part[3 * dr + 1] = fmaf(v.y, w[k][2 * j + 1], fmaf(v.x, w[k][2 * j], part[3 * dr + 1]));
+              part[3 * dr + 2] = fmaf(v.y, gy[k][2 * j + 1], fmaf(v.x, gy[k][2 * j], part[3 * dr + 2]));
+            }
           }
         }
-        const double s0 = warp_sum(static_cast<double>(ss));
-        const double s1 = warp_sum(static_cast<double>(dd));
-        const double s2 = warp_sum(static_cast<double>(gg));
-        if (lane == 0) {
-          double* out = red + warp * 3 * MAXR + 3 * r;
-          out[0] = s0;
-          out[1] = s1;
-          out[2] = s2;
-        }
       }
+      const float total = warp_sum_transposed<kN>(part, lane);
+      const int index = butterfly_index<kN>(lane);
+      const int rows_here = MAXR - r0 < kRowsPerGroup ? MAXR - r0 : kRowsPerGroup;
+      if (lane % (kWarpSize / kN) == 0 && index < 3 * rows_here)
+        red[warp * 3 * MAXR + 3 * (r0 - 1) + index] = static_cast<double>(total);
     }
 
     // One barrier per token: every warp then computes the softmax and its backward itself (the same FP64 values
@@ -239,7 +276,7 @@ __global__ void __launch_bounds__(MAXT, 1) attn_res_bwd_single_read_kernel(Singl
       double ss = 0.0, dd = 0.0, gg = 0.0;
       if (valid) {
         for (int q = 0; q < nwarps; ++q) {  // a fixed order: identical bits in every warp and run
-          const double* in = red + q * 3 * MAXR + 3 * r;
+          const double* in = red + q * 3 * MAXR + 3 * (r - 1);
           ss += in[0];
           dd += in[1];
           gg += in[2];
@@ -257,22 +294,19 @@ __global__ void __launch_bounds__(MAXT, 1) attn_res_bwd_single_read_kernel(Singl
     }
 
     // Pass 2: dv_r = p gy + gs r w - (gs d r^3 / H) v, from the same registers; dw_t = sum_r gs r v in FP32.
-    float dwt[VPT][kElemsPerVector];
+    // Vector-outer order, so that only one vector's dw partials are live at a time (registers: the K = 8 variant
+    // holds 9 rows x 2 vectors plus gy and w, right at the 128-register budget of a 14-warp program).
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
+      const int v = tid + k * blockDim.x;
+      float dwt[kElemsPerVector];
 #pragma unroll
-      for (int e = 0; e < kElemsPerVector; ++e) dwt[k][e] = 0.f;
-    }
+      for (int e = 0; e < kElemsPerVector; ++e) dwt[e] = 0.f;
 #pragma unroll
-    for (int r = 1; r < MAXR; ++r) {
-      if (r < nrows) {
-        const float ca = __shfl_sync(0xffffffffu, ca_l, r - 1), cb = __shfl_sync(0xffffffffu, cb_l, r - 1),
-                    cc = __shfl_sync(0xffffffffu, cc_l, r - 1);
-        T* dst = r == 1 ? (a.grad_prefix ? static_cast<T*>(a.grad_prefix) + t * H : nullptr)
-                        : (a.grad_blocks ? static_cast<T*>(a.grad_blocks) + (t * a.C + (r - 2)) * H : nullptr);
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-          const int v = tid + k * blockDim.x;
+      for (int r = 1; r < MAXR; ++r) {
+        if (r < nrows) {
+          const float ca = __shfl_sync(0xffffffffu, ca_l, r - 1), cb = __shfl_sync(0xffffffffu, cb_l, r - 1),
+                      cc = __shfl_sync(0xffffffffu, cc_l, r - 1);
           uint4 o;
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -280,18 +314,28 @@ __global__ void __launch_bounds__(MAXT, 1) attn_res_bwd_single_read_kernel(Singl
             const float d0 = fmaf(-cc, vv.x, fmaf(cb, w[k][2 * j], ca * gy[k][2 * j]));
             const float d1 = fmaf(-cc, vv.y, fmaf(cb, w[k][2 * j + 1], ca * gy[k][2 * j + 1]));
             set_word(o, j, P::pack(d0, d1));
-            dwt[k][2 * j] = fmaf(cb, vv.x, dwt[k][2 * j]);
-            dwt[k][2 * j + 1] = fmaf(cb, vv.y, dwt[k][2 * j + 1]);
+            dwt[2 * j] = fmaf(cb, vv.x, dwt[2 * j]);
+            dwt[2 * j + 1] = fmaf(cb, vv.y, dwt[2 * j + 1]);
           }
-          if (dst && v < nvec) reinterpret_cast<uint4*>(dst)[v] = o;
+          T* dst = r == 1 ? static_cast<T*>(a.grad_prefix) + t * H
+                          : static_cast<T*>(a.grad_blocks) + (t * a.C + (r - 2)) * H;
+          if ((r == 1 ? a.grad_prefix : a.grad_blocks) != nullptr && v < nvec) reinterpret_cast<uint4*>(dst)[v] = o;
+        }
+      }
+      if (v < nvec) {
+        if (compute_dw) {
+#pragma unroll
+          for (int e = 0; e < kElemsPerVector; ++e) dw_s[e * nvec + v] += static_cast<double>(dwt[e]);
+        }
+        if (a.grad_blocks) {  // exact zeros at the slots >= K (never read)
+          for (int64_t c = K; c < a.C; ++c)
+            reinterpret_cast<uint4*>(static_cast<T*>(a.grad_blocks) + (t * a.C + c) * H)[v] = make_uint4(0u, 0u, 0u, 0u);
         }
       }
     }
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int v = tid + k * blockDim.x;
-      if (v < nvec) {
-        if (compute_dw) {
+  }
+
+  if (compute_dw) {
 #pragma unroll
           for (int e = 0; e < kElemsPerVector; ++e) dw_s[e * nvec + v] += static_cast<double>(dwt[k][e]);
         }

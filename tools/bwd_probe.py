@@ -49,6 +49,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--capacity", type=int, default=8)
     ap.add_argument("--rep", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--mask", default="111", help="output_mask as three digits (e.g. 001: weight gradient only, "
+                    "no dv stores: how much of the time the stores take)")
     a = ap.parse_args(argv)
     text = Path(a.configs[1:]).read_text() if a.configs.startswith("@") else a.configs
     configs, reduce_tiles = {"default": None}, {}
@@ -56,6 +58,7 @@ def main(argv: list[str]) -> int:
         reduce_tiles[n] = {k: kw.pop(k) for k in REDUCE_KNOBS if k in kw}
         configs[n] = cuda.BackwardConfig(**kw)
     defaults = {k: getattr(_backward, k) for k in REDUCE_KNOBS}
+    mask = [c == "1" for c in a.mask]
     dev = torch.device("cuda")
     bw = bench.copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s  {torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -76,14 +79,13 @@ def main(argv: list[str]) -> int:
                     setattr(_backward, k, v)
 
                 def fn(cfg=cfg):
-                    return cuda.attn_res_backward(gy, prefix, blocks, nw, pw, K, 1e-6, [True, True, True],
-                                                  config=cfg)
+                    return cuda.attn_res_backward(gy, prefix, blocks, nw, pw, K, 1e-6, mask, config=cfg)
                 # Same gradients as the default config (to within its rounding): a wrong variant is not timed.
                 out = fn()
                 if ref_out is None:
                     ref_out = out
-                dev_max = max(float((o.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30))
-                              for o, r in zip(out, ref_out))
+                dev_max = max((float((o.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30))
+                               for o, r in zip(out, ref_out) if o.numel()), default=0.0)
                 del out
                 us = bench_train._time_gpu(fn, a.rep)
                 kt = kernel_times(fn)
