@@ -34,8 +34,7 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr int kMaxThreads = 1024;
 constexpr int kElemsPerVector = 8;  // 16 bytes of a 16-bit dtype
-constexpr int kThreadsH7168 = 7168 / kElemsPerVector / 2;  // 448: Kimi K3's row, two vectors per thread
-constexpr int kRowsPerGroup = 5;  // candidate rows per warp butterfly (15 of its 16 values)
+constexpr int kRowsPerGroup = 2;  // candidate rows per warp butterfly (6 of its 8 values: 8 partials live)
 
 template <typename T>
 struct Pack;
@@ -109,20 +108,36 @@ __device__ __forceinline__ double warp_sum(double v) {
 // shuffles instead of 5 N. Returns this lane's total, of value index butterfly_index<N>(lane); the 32 / N lanes
 // that share an index hold the same total. FP32 throughout: each total is a 5-level tree over lanes of 8- or
 // 16-element in-thread sums, a shorter FP32 chain than the eager formula's (the FP64 sum starts across warps).
+// A register select the compiler cannot turn into a select of addresses: `c ? v[i] : v[j]` on a local array
+// becomes a load from a run-time index, which puts the whole array in local memory.
+__device__ __forceinline__ float select(bool c, float a, float b) {
+  float r;
+  asm("{\n .reg .pred p;\n setp.ne.s32 p, %3, 0;\n selp.f32 %0, %1, %2, p;\n}"
+      : "=f"(r)
+      : "f"(a), "f"(b), "r"(static_cast<int>(c)));
+  return r;
+}
+
+// One level of the transposing butterfly: HALF values kept, exchanged with the lane at distance 32 HALF / N.
+// A template per level, so that every loop has a compile-time trip count (a loop ptxas cannot fully unroll
+// would index v at run time and put it in local memory).
+template <int N, int HALF>
+__device__ __forceinline__ void butterfly_level(float (&v)[N], int lane) {
+  constexpr int kOffset = kWarpSize * HALF / N;
+  const bool upper = lane & kOffset;
+#pragma unroll
+  for (int j = 0; j < HALF; ++j) {
+    const float send = select(upper, v[j], v[j + HALF]);
+    const float keep = select(upper, v[j + HALF], v[j]);
+    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, kOffset);
+  }
+  if constexpr (HALF > 1) butterfly_level<N, HALF / 2>(v, lane);
+}
+
 template <int N>
 __device__ __forceinline__ float warp_sum_transposed(float (&v)[N], int lane) {
   static_assert(N >= 2 && N <= 32 && (N & (N - 1)) == 0, "N must be a power of two in [2, 32]");
-#pragma unroll
-  for (int level = 0, half = N / 2; half >= 1; ++level, half /= 2) {
-    const int offset = kWarpSize / 2 >> level;
-    const bool upper = lane & offset;
-#pragma unroll
-    for (int j = 0; j < half; ++j) {
-      const float send = upper ? v[j] : v[j + half];
-      const float keep = upper ? v[j + half] : v[j];
-      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
-    }
-  }
+  butterfly_level<N, N / 2>(v, lane);
   float total = v[0];
 #pragma unroll
   for (int offset = kWarpSize / N / 2; offset >= 1; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
@@ -133,8 +148,8 @@ template <int N>
 __device__ __forceinline__ int butterfly_index(int lane) {
   int index = 0;
 #pragma unroll
-  for (int level = 0, half = N / 2; half >= 1; ++level, half /= 2) {
-    if (lane & (kWarpSize / 2 >> level)) index += half;
+  for (int half = N / 2; half >= 1; half /= 2) {
+    if (lane & (kWarpSize * half / N)) index += half;
   }
   return index;
 }
@@ -170,10 +185,11 @@ __device__ __forceinline__ void prefetch_token(const SingleReadBwdArgs& a, uint4
 }
 
 // Shared memory: rows [nrows][nvec] uint4 | dw [8][nvec] double | red [2][warps][3 * MAXR] double.
-// MAXT (the launch's thread bound) sets ptxas's register budget, 65536 / MAXT per thread: at H = 7168 with two
-// vectors per thread, 448 threads can have 144 registers and the K = 8 variant needs about that many.
-template <typename T, int VPT, int MAXR, int MAXT>
-__global__ void __launch_bounds__(MAXT, 1) attn_res_bwd_single_read_kernel(SingleReadBwdArgs a) {
+// Registers: 1024 / VPT threads at most, so ptxas budgets 64 (VPT = 1) or 128 (VPT = 2) per thread (a tighter
+// thread bound gives no more: 14 warps put 4 on some scheduler, whose quarter of the register file caps them at
+// 128). The K = 8 variant keeps a few of w's registers in (L1-resident) local memory.
+template <typename T, int VPT, int MAXR>
+__global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read_kernel(SingleReadBwdArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   using P = Pack<T>;
   const int tid = threadIdx.x;
@@ -234,10 +250,10 @@ __global__ void __launch_bounds__(MAXT, 1) attn_res_bwd_single_read_kernel(Singl
     }
 
     // Pass 1: per candidate row, three FP32 sums over this thread's elements -- sum(v^2), <v, w>, <v, gy>, value
-    // index 3 (r - 1) + q -- then summed over the warp in groups of up to five rows (15 values, one butterfly).
+    // index 3 (r - 1) + q -- then summed over the warp in groups of two rows (6 values, one butterfly).
 #pragma unroll
     for (int r0 = 1; r0 < MAXR; r0 += kRowsPerGroup) {
-      constexpr int kN = MAXR - 1 <= 2 ? 8 : 16;  // values per butterfly, a power of two >= 3 x rows in the group
+      constexpr int kN = 8;  // values per butterfly, a power of two >= 3 x kRowsPerGroup
       float part[kN];
 #pragma unroll
       for (int i = 0; i < kN; ++i) part[i] = 0.f;
@@ -337,18 +353,6 @@ __global__ void __launch_bounds__(MAXT, 1) attn_res_bwd_single_read_kernel(Singl
 
   if (compute_dw) {
 #pragma unroll
-          for (int e = 0; e < kElemsPerVector; ++e) dw_s[e * nvec + v] += static_cast<double>(dwt[k][e]);
-        }
-        if (a.grad_blocks) {  // exact zeros at the slots >= K (never read)
-          for (int64_t c = K; c < a.C; ++c)
-            reinterpret_cast<uint4*>(static_cast<T*>(a.grad_blocks) + (t * a.C + c) * H)[v] = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-    }
-  }
-
-  if (compute_dw) {
-#pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int v = tid + k * blockDim.x;
       if (v < nvec) {
@@ -365,11 +369,11 @@ int rows_variant(int64_t K) {
   return nrows <= 3 ? 3 : nrows <= 6 ? 6 : nrows <= kSingleReadMaxRows ? kSingleReadMaxRows : 0;
 }
 
-template <typename T, int VPT, int MAXR, int MAXT>
+template <typename T, int VPT, int MAXR>
 cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
   const int threads = single_read_threads(a.H, VPT);
   const size_t smem = single_read_smem_bytes(a.K, a.H, a.io_dtype, VPT);
-  auto kernel = attn_res_bwd_single_read_kernel<T, VPT, MAXR, MAXT>;
+  auto kernel = attn_res_bwd_single_read_kernel<T, VPT, MAXR>;
   // More than 48 KB of dynamic shared memory needs an opt-in per function (and device); cheap, so set every call.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
@@ -377,22 +381,19 @@ cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stre
   return cudaGetLastError();
 }
 
-template <typename T, int VPT, int MAXT>
+template <typename T, int VPT>
 cudaError_t launch_rows(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
   switch (rows_variant(a.K)) {
-    case 3: return launch_typed<T, VPT, 3, MAXT>(a, grid, stream);
-    case 6: return launch_typed<T, VPT, 6, MAXT>(a, grid, stream);
-    case kSingleReadMaxRows: return launch_typed<T, VPT, kSingleReadMaxRows, MAXT>(a, grid, stream);
+    case 3: return launch_typed<T, VPT, 3>(a, grid, stream);
+    case 6: return launch_typed<T, VPT, 6>(a, grid, stream);
+    case kSingleReadMaxRows: return launch_typed<T, VPT, kSingleReadMaxRows>(a, grid, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T>
 cudaError_t launch_vpt(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
-  if (a.vectors_per_thread == 1) return launch_rows<T, 1, kMaxThreads>(a, grid, stream);
-  // Two vectors per thread: a tighter thread bound (more registers) where the row allows it (H <= 7168).
-  return single_read_threads(a.H, 2) <= kThreadsH7168 ? launch_rows<T, 2, kThreadsH7168>(a, grid, stream)
-                                                      : launch_rows<T, 2, kMaxThreads / 2>(a, grid, stream);
+  return a.vectors_per_thread == 1 ? launch_rows<T, 1>(a, grid, stream) : launch_rows<T, 2>(a, grid, stream);
 }
 
 }  // namespace
