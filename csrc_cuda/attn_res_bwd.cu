@@ -154,15 +154,9 @@ __device__ __forceinline__ int butterfly_index(int lane) {
   return index;
 }
 
-__device__ __forceinline__ float warp_max_f32(float v) {
+__device__ __forceinline__ double warp_max(double v) {
 #pragma unroll
-  for (int o = kWarpSize / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-__device__ __forceinline__ float warp_sum_f32(float v) {
-#pragma unroll
-  for (int o = kWarpSize / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
@@ -304,15 +298,11 @@ __global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read
           gg += in[2];
         }
       }
-      // FP64 where cancellation can bite (the statistics, the score, g - sum_j p_j g_j); the softmax itself in
-      // FP32 on the FP64 scores, as precise as the eager formula's all-FP32 softmax. Every warp runs this chain
-      // after the barrier, so its length (not its instruction count) is what the token waits for: FP32 max, exp
-      // and sum are each a fraction of their FP64 latency.
       const double rr = valid ? rsqrt(ss / static_cast<double>(H) + a.eps) : 0.0;
       const double score = rr * dd;
-      const float m = warp_max_f32(valid ? static_cast<float>(score) : -INFINITY);
-      const float e = valid ? expf(static_cast<float>(score - static_cast<double>(m))) : 0.f;
-      const double p = static_cast<double>(e / warp_sum_f32(e));
+      const double m = warp_max(valid ? score : -INFINITY);
+      const double e = valid ? exp(score - m) : 0.0;
+      const double p = e * (1.0 / warp_sum(e));
       const double gs = p * (gg - warp_sum(p * gg));
       ca_l = static_cast<float>(p);
       cb_l = static_cast<float>(gs * rr);
