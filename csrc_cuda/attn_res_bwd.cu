@@ -374,9 +374,19 @@ cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stre
   const int threads = single_read_threads(a.H, VPT);
   const size_t smem = single_read_smem_bytes(a.K, a.H, a.io_dtype, VPT);
   auto kernel = attn_res_bwd_single_read_kernel<T, VPT, MAXR>;
-  // More than 48 KB of dynamic shared memory needs an opt-in per function (and device); cheap, so set every call.
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  // More than 48 KB of dynamic shared memory needs an opt-in per function and device. Raised only when a launch
+  // needs more than before on this device, so that warmed-up launches (e.g. under CUDA-graph capture) make no
+  // such call. (Concurrent first launches from several host threads may both set it: harmless.)
+  constexpr int kMaxDevices = 64;
+  static int opted_in[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
+  if (device >= kMaxDevices || static_cast<int>(smem) > opted_in[device]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    if (device < kMaxDevices) opted_in[device] = static_cast<int>(smem);
+  }
   kernel<<<grid, threads, smem, stream>>>(a);
   return cudaGetLastError();
 }
