@@ -1,11 +1,14 @@
-"""The Triton backward kernels of kimi_k3::attn_res (issue 5), through both launch policies.
+"""The backward kernels of kimi_k3::attn_res (issue 5): Triton, through both launch policies, and the CUDA C++
+single-read kernel (csrc_cuda/; GPU only: no interpreter runs CUDA C++).
 
 - Interpreter (TRITON_INTERPRET=1, CPU tensors): ``backends.cuda.attn_res_backward`` (FP64 statistics) and
   ``backends.npu.attn_res_backward`` (double-float FP32 statistics: no FP64 on Ascend) against the float64 truth
   with the accuracy contract, plus the structural properties: exact zeros at slots >= K, NaN capacity never read, every
   output slot written, output_mask, identical bits from run to run and across grids, strided inputs.
 - CUDA (requires_cuda; runs on the H200): the same properties at training sizes, the registered op, and one
-  compiled kernel for every token count.
+  compiled Triton kernel for every token count; the C++ kernel is built where a toolkit is, is the default for
+  the shapes it runs, keeps the contract for each of its compiled variants, and hands unaligned or
+  hidden-strided rows to the Triton kernel "auto" would otherwise pick.
 
 Accuracy contract (the forward's, k3_ops.testing.assert_accuracy_contract): max-abs and mean-abs errors against
 the float64 truth at most 1.25x those of the FP32 eager backward (reference.attn_res_backward_reference) rounded

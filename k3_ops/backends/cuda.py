@@ -511,7 +511,9 @@ class BackwardConfig:
     vectors_per_thread: "single_read" only: 16-byte column vectors per thread and row (1 or 2; threads per
         program = H / 8 / vectors_per_thread, so a token's rows sit in registers one vector per row and thread).
 
-    Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training"): the split with
+    Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training"): the CUDA C++
+    single-read kernel wherever it runs (seventh session: 1.13-1.19x faster than the split at T = 4096-16384,
+    K = 1 and 8); for the Triton kernels the split with
     1-warp programs over 1024-column chunks for both streams (no cross-warp reduction in the statistics; 32
     elements per thread in the apply pass), 8 programs per SM for each (one wave: ptxas gives them 221-241
     registers, so 8 fit an SM), 3 stages, FP64 statistics and dw accumulation (fifth session: 1.26-1.57x faster
