@@ -146,6 +146,10 @@ def test_cuda_backward_plan_resolution():
     assert dict(split.reduce_options)["num_warps"] == cuda.REDUCE_NUM_WARPS
     forced = cuda.BackwardConfig(kernel="stats_apply")
     assert cuda.choose_backward_plan(3, 8, 7168, cpu, forced).num_programs == 3, "never more token ranges than tokens"
+    # The C++ kernel never runs under the interpreter: asking for it gets the Triton choice of "auto".
+    assert not cuda.single_read_supported(8, 7168, cpu)
+    assert cuda.choose_backward_plan(4096, 8, 7168, cpu, cuda.BackwardConfig(kernel="single_read")).kernel == "stats_apply"
+    assert cuda.choose_backward_plan(64, 8, 7168, cpu, cuda.BackwardConfig(kernel="single_read")).kernel == "rows"
     rows = cuda.choose_backward_plan(4096, 8, 7168, cpu, cuda.BackwardConfig(kernel="rows"))
     assert (rows.kernel, rows.block_h, rows.k_pad, rows.num_programs) == ("rows", 8192, 16, sms)
     assert (dict(rows.launch_options)["num_warps"], rows.num_stages) == cuda.BACKWARD_KERNEL_DEFAULTS["rows"]
@@ -168,7 +172,8 @@ def test_cuda_backward_plan_resolution():
                                           (dict(apply_block=1000), "apply_block"), (dict(apply_warps=3), "apply_warps"),
                                           (dict(apply_stages=0), "apply_stages"),
                                           (dict(apply_programs_per_sm=0), "apply_programs_per_sm"),
-                                          (dict(stats_programs_per_sm=0), "stats_programs_per_sm")],
+                                          (dict(stats_programs_per_sm=0), "stats_programs_per_sm"),
+                                          (dict(vectors_per_thread=4), "vectors_per_thread")],
                          ids=lambda v: v if isinstance(v, str) else None)
 def test_backward_config_rejects_bad_knobs(knobs, field):
     from k3_ops.backends import cuda
