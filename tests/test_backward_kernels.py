@@ -316,6 +316,18 @@ def test_cuda_accuracy_contract_and_zero_capacity(sample: Sample):
               f"mean_abs {k_err.mean_abs / max(e_err.mean_abs, 1e-30):.3f}")
 
 
+def check_gpu_policy(policy: str, sample: Sample, gy: torch.Tensor, args: dict) -> None:
+    """One CUDA policy's backward on the GPU (outputs pre-filled with NaN): exact zeros past K, no NaN (nothing
+    unwritten, no NaN capacity read), the accuracy contract, identical bits on a second run."""
+    with _nan_fill():
+        outs = policy_backward(policy, gy, *positional(args), FULL)
+    assert bool((outs[1][:, sample.K:] == 0).all()), "slots >= K must get exact zeros"
+    assert not any(bool(o.isnan().any()) for o in outs)
+    check_contract(sample, outs, gy, args, interpreted=False)
+    again = policy_backward(policy, gy, *positional(args), FULL)
+    assert all(bits_equal(a, b) for a, b in zip(outs, again)), f"{policy} must be deterministic"
+
+
 def triton_auto_kernel(T: int, K: int) -> str:
     """The kernel "auto" picks where the single-read CUDA C++ kernel does not run."""
     from k3_ops.backends import cuda
@@ -365,13 +377,7 @@ def test_cuda_single_read_contract(sample: Sample, policy: str):
     gy = grad_out_for(sample, "cuda")
     forced = cuda.BackwardConfig(kernel="single_read", vectors_per_thread=2 if policy == "cuda-single-read" else 1)
     assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, gy.device, forced).kernel == "single_read"
-    with _nan_fill():
-        outs = policy_backward(policy, gy, *positional(args), FULL)
-    assert bool((outs[1][:, sample.K:] == 0).all()), "slots >= K must get exact zeros"
-    assert not any(bool(o.isnan().any()) for o in outs)
-    check_contract(sample, outs, gy, args, interpreted=False)
-    again = policy_backward(policy, gy, *positional(args), FULL)
-    assert all(bits_equal(a, b) for a, b in zip(outs, again)), "single_read must be deterministic"
+    check_gpu_policy(policy, sample, gy, args)
 
 
 @requires_cuda
@@ -410,13 +416,7 @@ def test_cuda_each_kernel_contract(sample: Sample, policy: str):
 
     args = sample.make("cuda")
     gy = grad_out_for(sample, "cuda")
-    with _nan_fill():
-        outs = policy_backward(policy, gy, *positional(args), FULL)
-    assert bool((outs[1][:, sample.K:] == 0).all()), "slots >= K must get exact zeros"
-    assert not any(bool(o.isnan().any()) for o in outs)
-    check_contract(sample, outs, gy, args, interpreted=False)
-    again = policy_backward(policy, gy, *positional(args), FULL)
-    assert all(bits_equal(a, b) for a, b in zip(outs, again)), f"{policy} must be deterministic"
+    check_gpu_policy(policy, sample, gy, args)
     cuda_dev = torch.device("cuda")
     kernel = policy.removeprefix("cuda-").replace("-", "_")
     forced = cuda.BackwardConfig(kernel=kernel)
