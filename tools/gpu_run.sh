@@ -2,7 +2,10 @@
 # Build k3_ops in place on a GPU machine and run the named stages (stages after build need the same
 # shell, so name them in one call: tools/gpu_run.sh build tests bench); used for the H200 runs recorded in
 # docs/benchmarks.md. Stages: build, errors, ncu, testfiles, ptests, tests, bench, tune, main, train, fused (default: build tests bench).
-# Results (logs, JSON, PNG) go to $OUT (default ./gpu_out). Extra pytest arguments: PYTEST_ARGS.
+# Results (logs, JSON, PNG) go to $OUT (default ./gpu_out). Extra pytest arguments: PYTEST_ARGS (word-split:
+# no spaces inside one argument, so "-k a or b" does not work; name the files in TEST_GROUPS instead). A copy of
+# the working tree may carry another commit's git metadata: pass K3_OPS_COMMIT=$(git rev-parse --short HEAD)
+# from the checkout so that benchmark JSON records the commit that ran.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
