@@ -72,7 +72,7 @@ __all__ = [
 #: interpreter exercises the same path choices as the GPU the lead benchmarks on.
 INTERPRETER_NUM_SMS = 132
 
-_num_sms_cache: dict[int, int] = {}
+_properties_cache: dict[int, object] = {}
 
 
 def use_interpreter(t: torch.Tensor | torch.device) -> bool:
@@ -82,15 +82,19 @@ def use_interpreter(t: torch.Tensor | torch.device) -> bool:
     return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def num_sms(device: torch.device) -> int:
-    """Streaming-multiprocessor count of ``device``, read once per device and cached."""
-    if device.type != "cuda":
-        return INTERPRETER_NUM_SMS
+def _properties(device: torch.device):
+    """``torch.cuda.get_device_properties`` of a CUDA ``device``, read once per device and cached (launch
+    policies consult it on every call)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    n = _num_sms_cache.get(index)
-    if n is None:
-        n = _num_sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return n
+    props = _properties_cache.get(index)
+    if props is None:
+        props = _properties_cache[index] = torch.cuda.get_device_properties(index)
+    return props
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming-multiprocessor count of ``device`` (the interpreter's stand-in H200 count on CPU)."""
+    return _properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_NUM_SMS
 
 
 def split_two_launch(t: torch.Tensor) -> bool:
@@ -596,9 +600,6 @@ def _has_cuda_kernels() -> bool:
     return bool(getattr(_C, "has_cuda_kernels", False))
 
 
-_smem_optin_cache: dict[int, int] = {}
-
-
 def single_read_supported(K: int, H: int, device: torch.device, element_size: int = 2,
                           vectors_per_thread: int = 2) -> bool:
     """Whether the CUDA C++ single-read backward can run this shape on ``device``: a k3_ops build with the CUDA
@@ -612,12 +613,8 @@ def single_read_supported(K: int, H: int, device: torch.device, element_size: in
     smem = _C.attn_res_bwd_single_read_smem_bytes(K, H, element_size, vectors_per_thread)
     if smem == 0:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _smem_optin_cache:
-        props = torch.cuda.get_device_properties(index)
-        _smem_optin_cache[index] = (props.shared_memory_per_block_optin if (props.major, props.minor) >= (8, 0)
-                                    else 0)
-    return smem <= _smem_optin_cache[index]
+    props = _properties(device)
+    return (props.major, props.minor) >= (8, 0) and smem <= props.shared_memory_per_block_optin
 
 
 def _single_read_layout_ok(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor) -> bool:
