@@ -364,6 +364,163 @@ __global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read
   }
 }
 
+
+// Experimental variant (vectors_per_thread = 0): the token's rows stay in shared memory and both passes read
+// them from there, one 16-byte vector per thread and row (H / 8 threads: 28 warps at H = 7168, 64 registers, no
+// register array of rows), so the SM has twice the warps of the register-resident kernel to hide latency. The
+// copy of token t + 1 into a slot is issued as soon as this thread's pass 2 has consumed it (grad_out's slot
+// right after it is unpacked into registers), so its DRAM reads overlap pass 2 of token t. Warp 0 computes the
+// softmax between two barriers and hands the coefficients over in shared memory (one broadcast load per row).
+// Shared memory: rows [nrows][nvec] uint4 | dw [8][nvec] double | red [warps][3 * MAXR] double | coef [MAXR] float4.
+template <typename T, int MAXR>
+__global__ void __launch_bounds__(kMaxThreads, 1) attn_res_bwd_single_read_smem_kernel(SingleReadBwdArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  using P = Pack<T>;
+  const int tid = threadIdx.x;
+  const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
+  const int nwarps = blockDim.x / kWarpSize;
+  const int K = static_cast<int>(a.K);
+  const int nrows = K + 2;
+  const int64_t H = a.H;
+  const int nvec = static_cast<int>(H / kElemsPerVector);
+  const int v = tid;
+  const bool active = v < nvec;
+  uint4* rows_s = reinterpret_cast<uint4*>(smem);
+  double* dw_s = reinterpret_cast<double*>(rows_s + static_cast<size_t>(nrows) * nvec);
+  double* red = dw_s + static_cast<size_t>(kElemsPerVector) * nvec;
+  float4* coef_s = reinterpret_cast<float4*>(red + nwarps * 3 * MAXR);
+
+  const int64_t t_begin = static_cast<int64_t>(blockIdx.x) * a.tokens_per_prog;
+  const int64_t t_end = t_begin + a.tokens_per_prog < a.T ? t_begin + a.tokens_per_prog : a.T;
+  const bool compute_dw = a.workspace != nullptr;
+  if (t_begin < t_end) prefetch_token<T, 1>(a, rows_s, t_begin, nrows, nvec);
+
+  float w[kElemsPerVector];
+#pragma unroll
+  for (int e = 0; e < kElemsPerVector; ++e) {
+    const int64_t h = static_cast<int64_t>(v) * kElemsPerVector + e;
+    w[e] = active ? load_weight(a.norm_weight, a.nw_dtype, h) * load_weight(a.proj_weight, a.pw_dtype, h) : 0.f;
+    if (compute_dw && active) dw_s[e * nvec + v] = 0.0;
+  }
+
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    cp_async_wait_all();  // this thread's own copies of token t have landed (only it reads those slots)
+    const bool more = t + 1 < t_end;
+    float gy[kElemsPerVector];
+    {
+      const uint4 u = active ? rows_s[v] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 g = P::unpack(word(u, j));
+        gy[2 * j] = g.x;
+        gy[2 * j + 1] = g.y;
+      }
+    }
+    if (more && active) cp_async16(&rows_s[v], reinterpret_cast<const uint4*>(input_row<T>(a, t + 1, 0)) + v);
+
+    // Pass 1, as in the register-resident kernel, each row loaded from shared memory when it is needed.
+#pragma unroll
+    for (int r0 = 1; r0 < MAXR; r0 += kRowsPerGroup) {
+      constexpr int kN = 8;
+      float part[kN];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) part[i] = 0.f;
+#pragma unroll
+      for (int dr = 0; dr < kRowsPerGroup; ++dr) {
+        const int r = r0 + dr;
+        if (r < MAXR && r < nrows) {
+          const uint4 u = active ? rows_s[r * nvec + v] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 x = P::unpack(word(u, j));
+            part[3 * dr] = fmaf(x.y, x.y, fmaf(x.x, x.x, part[3 * dr]));
+            part[3 * dr + 1] = fmaf(x.y, w[2 * j + 1], fmaf(x.x, w[2 * j], part[3 * dr + 1]));
+            part[3 * dr + 2] = fmaf(x.y, gy[2 * j + 1], fmaf(x.x, gy[2 * j], part[3 * dr + 2]));
+          }
+        }
+      }
+      const float total = warp_sum_transposed<kN>(part, lane);
+      const int index = butterfly_index<kN>(lane);
+      const int rows_here = MAXR - r0 < kRowsPerGroup ? MAXR - r0 : kRowsPerGroup;
+      if (lane % (kWarpSize / kN) == 0 && index < 3 * rows_here)
+        red[warp * 3 * MAXR + 3 * (r0 - 1) + index] = static_cast<double>(total);
+    }
+    __syncthreads();
+    if (warp == 0) {
+      const int r = lane + 1;
+      const bool valid = r < nrows;
+      double ss = 0.0, dd = 0.0, gg = 0.0;
+      if (valid) {
+        for (int q = 0; q < nwarps; ++q) {  // a fixed order: identical bits run to run
+          const double* in = red + q * 3 * MAXR + 3 * (r - 1);
+          ss += in[0];
+          dd += in[1];
+          gg += in[2];
+        }
+      }
+      const double rr = valid ? rsqrt(ss / static_cast<double>(H) + a.eps) : 0.0;
+      const double score = rr * dd;
+      const double m = warp_max(valid ? score : -INFINITY);
+      const double e = valid ? exp(score - m) : 0.0;
+      const double p = e * (1.0 / warp_sum(e));
+      const double gs = p * (gg - warp_sum(p * gg));
+      if (valid)
+        coef_s[r] = make_float4(static_cast<float>(p), static_cast<float>(gs * rr),
+                                static_cast<float>(gs * dd * rr * rr * rr / static_cast<double>(H)), 0.f);
+    }
+    __syncthreads();
+
+    // Pass 2: dv from shared memory; each consumed slot takes token t + 1's row at once.
+    float dwt[kElemsPerVector];
+#pragma unroll
+    for (int e = 0; e < kElemsPerVector; ++e) dwt[e] = 0.f;
+#pragma unroll
+    for (int r = 1; r < MAXR; ++r) {
+      if (r < nrows) {
+        const float4 c = coef_s[r];
+        if (active) {
+          const uint4 u = rows_s[r * nvec + v];
+          uint4 o;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 x = P::unpack(word(u, j));
+            const float d0 = fmaf(-c.z, x.x, fmaf(c.y, w[2 * j], c.x * gy[2 * j]));
+            const float d1 = fmaf(-c.z, x.y, fmaf(c.y, w[2 * j + 1], c.x * gy[2 * j + 1]));
+            set_word(o, j, P::pack(d0, d1));
+            dwt[2 * j] = fmaf(c.y, x.x, dwt[2 * j]);
+            dwt[2 * j + 1] = fmaf(c.y, x.y, dwt[2 * j + 1]);
+          }
+          void* out = r == 1 ? a.grad_prefix : a.grad_blocks;
+          if (out != nullptr) {
+            T* dst = r == 1 ? static_cast<T*>(out) + t * H : static_cast<T*>(out) + (t * a.C + (r - 2)) * H;
+            reinterpret_cast<uint4*>(dst)[v] = o;
+          }
+          // o depends on u: the load has completed before the slot is overwritten.
+          if (more) cp_async16(&rows_s[r * nvec + v], reinterpret_cast<const uint4*>(input_row<T>(a, t + 1, r)) + v);
+        }
+      }
+    }
+    if (more) cp_async_commit();
+    if (active) {
+      if (compute_dw) {
+#pragma unroll
+        for (int e = 0; e < kElemsPerVector; ++e) dw_s[e * nvec + v] += static_cast<double>(dwt[e]);
+      }
+      if (a.grad_blocks) {
+        for (int64_t c = K; c < a.C; ++c)
+          reinterpret_cast<uint4*>(static_cast<T*>(a.grad_blocks) + (t * a.C + c) * H)[v] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  }
+
+  if (compute_dw && active) {
+    double* out = a.workspace + static_cast<int64_t>(blockIdx.x) * H + static_cast<int64_t>(v) * kElemsPerVector;
+#pragma unroll
+    for (int e = 0; e < kElemsPerVector; ++e) out[e] = dw_s[e * nvec + v];
+  }
+}
+
 int rows_variant(int64_t K) {
   const int64_t nrows = K + 2;
   return nrows <= 3 ? 3 : nrows <= 6 ? 6 : nrows <= kSingleReadMaxRows ? kSingleReadMaxRows : 0;
@@ -373,7 +530,8 @@ template <typename T, int VPT, int MAXR>
 cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
   const int threads = single_read_threads(a.H, VPT);
   const size_t smem = single_read_smem_bytes(a.K, a.H, a.io_dtype, VPT);
-  auto kernel = attn_res_bwd_single_read_kernel<T, VPT, MAXR>;
+  auto kernel = VPT == 0 ? attn_res_bwd_single_read_smem_kernel<T, MAXR>
+                         : attn_res_bwd_single_read_kernel<T, VPT == 0 ? 1 : VPT, MAXR>;
   // More than 48 KB of dynamic shared memory needs an opt-in per function and device. Raised only when a launch
   // needs more than before on this device, so that warmed-up launches (e.g. under CUDA-graph capture) make no
   // such call. (Concurrent first launches from several host threads may both set it: harmless.)
@@ -403,13 +561,15 @@ cudaError_t launch_rows(const SingleReadBwdArgs& a, int grid, cudaStream_t strea
 
 template <typename T>
 cudaError_t launch_vpt(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
+  if (a.vectors_per_thread == 0) return launch_rows<T, 0>(a, grid, stream);
   return a.vectors_per_thread == 1 ? launch_rows<T, 1>(a, grid, stream) : launch_rows<T, 2>(a, grid, stream);
 }
 
 }  // namespace
 
 int single_read_threads(int64_t H, int vectors_per_thread) {
-  if (H <= 0 || H % kElemsPerVector != 0 || (vectors_per_thread != 1 && vectors_per_thread != 2)) return 0;
+  if (H <= 0 || H % kElemsPerVector != 0 || vectors_per_thread < 0 || vectors_per_thread > 2) return 0;
+  if (vectors_per_thread == 0) vectors_per_thread = 1;  // the shared-memory-resident variant: one vector each
   const int64_t nvec = H / kElemsPerVector;
   const int64_t threads = (nvec + vectors_per_thread - 1) / vectors_per_thread;
   const int64_t rounded = (threads + kWarpSize - 1) / kWarpSize * kWarpSize;
@@ -421,8 +581,9 @@ size_t single_read_smem_bytes(int64_t K, int64_t H, IoDtype io_dtype, int vector
   const int maxr = rows_variant(K);
   if (threads == 0 || maxr == 0 || K < 1 || io_dtype == IoDtype::kFloat32) return 0;
   const size_t nvec = static_cast<size_t>(H / kElemsPerVector);
+  const size_t red = static_cast<size_t>(threads / kWarpSize) * 3 * maxr * sizeof(double);
   return (static_cast<size_t>(K) + 2) * nvec * 16 + kElemsPerVector * nvec * sizeof(double) +
-         2 * static_cast<size_t>(threads / kWarpSize) * 3 * maxr * sizeof(double);
+         (vectors_per_thread == 0 ? red + maxr * 16 : 2 * red);
 }
 
 cudaError_t launch_single_read_bwd(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {

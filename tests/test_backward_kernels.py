@@ -49,7 +49,8 @@ def policy_backward(policy: str, *args, **kw):
         forced = {"cuda-rows": dict(kernel="rows"), "cuda-tiles": dict(kernel="tiles"),
                   "cuda-stats-apply": dict(kernel="stats_apply", **small),
                   "cuda-single-read": dict(kernel="single_read"),
-                  "cuda-single-read-v1": dict(kernel="single_read", vectors_per_thread=1)}
+                  "cuda-single-read-v1": dict(kernel="single_read", vectors_per_thread=1),
+                  "cuda-single-read-smem": dict(kernel="single_read", vectors_per_thread=0)}
         if policy in forced:
             kw = dict(kw, config=cuda.BackwardConfig(**forced[policy]))
         return cuda.attn_res_backward(*args, **kw)
@@ -359,7 +360,7 @@ def test_cuda_single_read_kernel_is_built():
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("policy", ["cuda-single-read", "cuda-single-read-v1"])
+@pytest.mark.parametrize("policy", ["cuda-single-read", "cuda-single-read-v1", "cuda-single-read-smem"])
 @pytest.mark.parametrize("sample", sample_params([
     Sample(T=300, K=1, cap=8, H=7168, dtype=torch.bfloat16),  # K = 1 at full capacity: 7 zero slots per token
     Sample(T=500, K=2, cap=3, H=1000, dtype=torch.float16),  # 125 vectors: a half-used thread pair, rows variant 6
@@ -375,7 +376,8 @@ def test_cuda_single_read_contract(sample: Sample, policy: str):
 
     args = sample.make("cuda")
     gy = grad_out_for(sample, "cuda")
-    forced = cuda.BackwardConfig(kernel="single_read", vectors_per_thread=2 if policy == "cuda-single-read" else 1)
+    vpt = {"cuda-single-read": 2, "cuda-single-read-v1": 1, "cuda-single-read-smem": 0}[policy]
+    forced = cuda.BackwardConfig(kernel="single_read", vectors_per_thread=vpt)
     assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, gy.device, forced).kernel == "single_read"
     check_gpu_policy(policy, sample, gy, args)
 

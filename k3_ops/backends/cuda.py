@@ -513,7 +513,8 @@ class BackwardConfig:
         programs (token ranges x column chunks); num_warps and num_stages describe that kernel.
     apply_warps, apply_stages, apply_programs_per_sm: "stats_apply" only: the same for its apply kernel.
     vectors_per_thread: "single_read" only: 16-byte column vectors per thread and row (1 or 2; threads per
-        program = H / 8 / vectors_per_thread, so a token's rows sit in registers one vector per row and thread).
+        program = H / 8 / vectors_per_thread, so a token's rows sit in registers one vector per row and thread);
+        0 (experimental, exp/single-read-smem): one vector per thread, rows left in shared memory.
 
     Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training"): the CUDA C++
     single-read kernel wherever it runs (seventh session: 1.13-1.19x faster than the split at T = 4096-16384,
@@ -554,8 +555,8 @@ class BackwardConfig:
         if self.kernel not in ("auto", "single_read", "tiles", "rows", "stats_apply"):
             raise ValueError("BackwardConfig.kernel must be 'auto', 'single_read', 'stats_apply', 'rows' or 'tiles', "
                              f"got {self.kernel!r}")
-        if self.vectors_per_thread not in (1, 2):
-            raise ValueError(f"BackwardConfig.vectors_per_thread must be 1 or 2, got {self.vectors_per_thread}")
+        if self.vectors_per_thread not in (0, 1, 2):
+            raise ValueError(f"BackwardConfig.vectors_per_thread must be 0, 1 or 2, got {self.vectors_per_thread}")
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"BackwardConfig.num_stages must be >= 1 or None, got {self.num_stages}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16, 32):
