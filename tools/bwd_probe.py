@@ -47,6 +47,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--blocks", default="1,8")
     ap.add_argument("--capacity", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--rep", type=int, default=50)
     ap.add_argument("--json", default=None)
     ap.add_argument("--mask", default="111", help="output_mask as three digits (e.g. 001: weight gradient only, "
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
     dev = torch.device("cuda")
     bw = bench.copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s  {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    H, C, dtype = 7168, a.capacity, torch.bfloat16
+    H, C, dtype = a.hidden, a.capacity, torch.bfloat16
     results = []
     for T in (int(t) for t in a.tokens.split(",")):
         for K in (int(k) for k in a.blocks.split(",")):
@@ -92,9 +93,9 @@ def main(argv: list[str]) -> int:
                 frac = nbytes / (us * 1e-6) / bw
                 gpu_us = sum(kt.values())  # device time of the kernels alone (no host launch gaps)
                 parts = "  ".join(f"{k.split('_kernel')[0].replace('attn_res_bwd_', '')}={v:.0f}" for k, v in kt.items())
-                print(f"T={T:6d} K={K} {name:18s} {us:7.1f} us of BW {frac:.3f} | kernels {gpu_us:7.1f} us of BW "
+                print(f"T={T:6d} K={K} H={H} {name:14s} {us:7.1f} us of BW {frac:.3f} | kernels {gpu_us:7.1f} us of BW "
                       f"{nbytes / (gpu_us * 1e-6) / bw:.3f} [{parts}] dev {dev_max:.1e}", flush=True)
-                results.append(dict(T=T, K=K, config=name, us=us, of_bw=frac, kernels_us=kt, kernels_sum_us=gpu_us,
+                results.append(dict(T=T, K=K, H=H, config=name, us=us, of_bw=frac, kernels_us=kt, kernels_sum_us=gpu_us,
                                     kernels_of_bw=nbytes / (gpu_us * 1e-6) / bw, max_rel_dev_vs_default=dev_max))
     if a.json:
         Path(a.json).write_text(json.dumps(dict(copy_bw=bw, device=torch.cuda.get_device_name(),

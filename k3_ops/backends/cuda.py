@@ -512,9 +512,12 @@ class BackwardConfig:
     stats_programs_per_sm: "stats_apply" only: its statistics kernel's grid, about SMs x stats_programs_per_sm
         programs (token ranges x column chunks); num_warps and num_stages describe that kernel.
     apply_warps, apply_stages, apply_programs_per_sm: "stats_apply" only: the same for its apply kernel.
-    vectors_per_thread: "single_read" only: 16-byte column vectors per thread and row (1 or 2; threads per
-        program = H / 8 / vectors_per_thread, so a token's rows sit in registers one vector per row and thread);
-        0 (experimental, exp/single-read-smem): one vector per thread, rows left in shared memory.
+    vectors_per_thread: "single_read" only: how a program holds the token's rows. 0: in shared memory, one 16-byte
+        column vector per thread and row (H / 8 threads: 28 warps at H = 7168 at 64 registers); 1 or 2: in
+        registers, that many vectors per thread and row (H / 8 / vectors_per_thread threads, 64 or 128 registers).
+        None (default): 0 where its shared memory (the token's K + 2 rows, an FP64 [H] row) fits the device's
+        opt-in, else 2 (eighth session, H200: 0 is 1.34-1.52x faster than 2 at K = 8 and on par at K = 1;
+        docs/benchmarks.md "Eighth session").
 
     Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training"): the CUDA C++
     single-read kernel wherever it runs (seventh session: 1.13-1.19x faster than the split at T = 4096-16384,
@@ -538,7 +541,7 @@ class BackwardConfig:
     apply_stages: int = 3
     apply_programs_per_sm: int = 8
     stats_programs_per_sm: int = 8
-    vectors_per_thread: int = 2
+    vectors_per_thread: int | None = None
 
     def __post_init__(self):
         if self.apply_block < 16 or self.apply_block & (self.apply_block - 1):
@@ -555,8 +558,9 @@ class BackwardConfig:
         if self.kernel not in ("auto", "single_read", "tiles", "rows", "stats_apply"):
             raise ValueError("BackwardConfig.kernel must be 'auto', 'single_read', 'stats_apply', 'rows' or 'tiles', "
                              f"got {self.kernel!r}")
-        if self.vectors_per_thread not in (0, 1, 2):
-            raise ValueError(f"BackwardConfig.vectors_per_thread must be 0, 1 or 2, got {self.vectors_per_thread}")
+        if self.vectors_per_thread not in (None, 0, 1, 2):
+            raise ValueError(f"BackwardConfig.vectors_per_thread must be 0, 1, 2 or None, got "
+                             f"{self.vectors_per_thread}")
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"BackwardConfig.num_stages must be >= 1 or None, got {self.num_stages}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16, 32):
@@ -637,11 +641,14 @@ def choose_backward_plan(T: int, K: int, H: int, device: torch.device,
     config = config or BACKWARD_CONFIG
     k_pad = next_power_of_2(K + 1)
     kernel = config.kernel
-    if kernel in ("auto", "single_read") and single_read_supported(K, H, device, element_size,
-                                                                   config.vectors_per_thread):
-        return _backward.BackwardPlan(num_programs=min(T, num_sms(device)), block_h=H, k_pad=k_pad, acc64=True,
-                                      kernel="single_read", vectors_per_thread=config.vectors_per_thread,
-                                      reduce_options=(("num_warps", REDUCE_NUM_WARPS),))
+    if kernel in ("auto", "single_read"):
+        # The shared-memory-resident variant first (more warps per SM), then the register-resident one, whose
+        # program needs no FP64 partials per warp and fits wider rows at K = 8.
+        for vpt in (0, 2) if config.vectors_per_thread is None else (config.vectors_per_thread,):
+            if single_read_supported(K, H, device, element_size, vpt):
+                return _backward.BackwardPlan(num_programs=min(T, num_sms(device)), block_h=H, k_pad=k_pad,
+                                              acc64=True, kernel="single_read", vectors_per_thread=vpt,
+                                              reduce_options=(("num_warps", REDUCE_NUM_WARPS),))
     whole_row = next_power_of_2(H) <= ROWS_BACKWARD_MAX_H
     if kernel in ("auto", "single_read"):
         kernel = "stats_apply" if T * (K + 1) >= SPLIT_BACKWARD_MIN_ROWS else "rows"
