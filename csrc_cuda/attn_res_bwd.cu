@@ -4,7 +4,17 @@
 // then dv), and its bandwidth target needs the second read to come from on-chip memory. The Triton split reads
 // the inputs twice from DRAM (ceiling ~0.61 of copy bandwidth at K = 8); the Triton streaming kernel reads once
 // but is issue-bound (docs/benchmarks.md, "Sixth session"). Here one program per SM walks a contiguous token
-// range and holds one token in registers while the next one streams into shared memory:
+// range, each input row read from DRAM once. Two layouts of the token's rows (the launch policy picks per K,
+// k3_ops/backends/cuda.py SINGLE_READ_SMEM_MIN_K):
+//
+//   * register-resident (attn_res_bwd_single_read_kernel, 1 or 2 vectors per thread; the default for K <= 4):
+//     one token in registers while the next one streams into shared memory, as described below;
+//   * shared-memory-resident (attn_res_bwd_single_read_smem_kernel, the default from K = 5): the rows stay in
+//     shared memory and both passes read them from there, so a thread needs 64 registers and an SM runs twice the
+//     warps (at K = 8 the register layout fills 128 registers per thread, spills, and its 14 warps at H = 7168
+//     leave it latency-bound: 0.58-0.65 of copy bandwidth against 0.78-0.88 for this one on the H200).
+//
+// The register-resident kernel:
 //
 //   * every thread owns the same 16-byte column vectors of every row (vector v = thread + k * threads): it
 //     copies them from global to shared memory (cp.async, no registers held while in flight), later loads them
@@ -365,12 +375,14 @@ __global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read
 }
 
 
-// Experimental variant (vectors_per_thread = 0): the token's rows stay in shared memory and both passes read
-// them from there, one 16-byte vector per thread and row (H / 8 threads: 28 warps at H = 7168, 64 registers, no
+// Shared-memory-resident layout (vectors_per_thread = 0): the token's rows stay in shared memory and both passes
+// read them from there, one 16-byte vector per thread and row (H / 8 threads: 28 warps at H = 7168, 64 registers, no
 // register array of rows), so the SM has twice the warps of the register-resident kernel to hide latency. The
 // copy of token t + 1 into a slot is issued as soon as this thread's pass 2 has consumed it (grad_out's slot
 // right after it is unpacked into registers), so its DRAM reads overlap pass 2 of token t. Warp 0 computes the
-// softmax between two barriers and hands the coefficients over in shared memory (one broadcast load per row).
+// softmax between two barriers and hands the coefficients over in shared memory (one broadcast load per row);
+// the other warps wait there, which 28 warps per SM afford. Statistics, reduction order and FP64 steps are the
+// register-resident kernel's, so both layouts give the same gradients to within FP32 rounding order.
 // Shared memory: rows [nrows][nvec] uint4 | dw [8][nvec] double | red [warps][3 * MAXR] double | coef [MAXR] float4.
 template <typename T, int MAXR>
 __global__ void __launch_bounds__(kMaxThreads, 1) attn_res_bwd_single_read_smem_kernel(SingleReadBwdArgs a) {

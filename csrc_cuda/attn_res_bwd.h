@@ -28,7 +28,7 @@ struct SingleReadBwdArgs {
   int64_t tokens_per_prog;  // program p walks tokens [p * tokens_per_prog, (p + 1) * tokens_per_prog)
   double eps;
   IoDtype io_dtype, nw_dtype, pw_dtype;
-  int vectors_per_thread;  // 16-byte vectors of each row per thread: 1 or 2
+  int vectors_per_thread;  // 0: rows in shared memory, one 16-byte vector per thread; 1 or 2: in registers
 };
 
 // The most rows (grad_out plus K + 1 candidates, i.e. K + 2) of any compiled variant: K <= 8.

@@ -166,6 +166,28 @@ def test_cuda_backward_plan_resolution():
         assert dict(capped.launch_options)["maxnreg"] == 128
 
 
+@pytest.mark.parametrize("fits, K, want", [
+    ({0, 2}, 8, 0), ({0, 2}, 5, 0), ({0, 2}, 4, 2), ({0, 2}, 1, 2),
+    ({2}, 8, 2), ({0}, 1, 0),  # the preferred layout does not fit: the other one
+    (set(), 8, None),  # neither: the Triton kernels
+], ids=["k8", "k5", "k4", "k1", "k8-no-smem-fit", "k1-no-reg-fit", "neither"])
+def test_single_read_layout_policy(monkeypatch, fits: set, K: int, want):
+    """"auto" with vectors_per_thread None: the shared-memory layout from SINGLE_READ_SMEM_MIN_K on, the register
+    layout below, each falling back to the other where only that one fits; an explicit layout is never swapped.
+    (Support is mocked: this machine has no GPU; the real check is test_cuda_single_read_kernel_is_built.)"""
+    from k3_ops.backends import cuda
+
+    assert cuda.SINGLE_READ_SMEM_MIN_K == 5, "the cases below straddle the measured threshold"
+    monkeypatch.setattr(cuda, "single_read_supported", lambda K, H, device, element_size=2, vpt=2: vpt in fits)
+    plan = cuda.choose_backward_plan(4096, K, 7168, torch.device("cpu"))
+    assert (plan.kernel, plan.vectors_per_thread) == (("single_read", want) if want is not None else ("stats_apply", 0))
+    for vpt in (0, 1, 2):
+        plan = cuda.choose_backward_plan(4096, K, 7168, torch.device("cpu"),
+                                         cuda.BackwardConfig(kernel="single_read", vectors_per_thread=vpt))
+        assert plan.kernel == ("single_read" if vpt in fits else "stats_apply"), vpt
+        assert plan.kernel != "single_read" or plan.vectors_per_thread == vpt
+
+
 @pytest.mark.parametrize("knobs, field", [(dict(kernel="fast"), "kernel"), (dict(num_warps=3), "num_warps"),
                                           (dict(num_stages=0), "num_stages"), (dict(maxnreg=300), "maxnreg"),
                                           (dict(tile_elems=100), "tile_elems"), (dict(programs_per_sm=0),
@@ -350,9 +372,10 @@ def test_cuda_single_read_kernel_is_built():
         pytest.skip("no CUDA toolkit (or K3_OPS_NO_CUDA=1): k3_ops was built without csrc_cuda/")
     assert _C.has_cuda_kernels, "k3_ops._C was built without the CUDA C++ kernels: rebuild with the toolkit"
     dev = torch.device("cuda")
-    for K in (1, 8):  # K3's rows: the shared-memory-resident layout (the H200's opt-in holds K + 2 rows of 7168)
+    for K in (1, 4, 5, 8):  # K3's rows: the layout measured fastest for each K (both fit the H200's opt-in)
         plan = cuda.choose_backward_plan(4096, K, 7168, dev)
-        assert (plan.kernel, plan.vectors_per_thread) == ("single_read", 0), plan
+        vpt = 0 if K >= cuda.SINGLE_READ_SMEM_MIN_K else 2
+        assert (plan.kernel, plan.vectors_per_thread) == ("single_read", vpt), (K, plan)
     assert cuda.choose_backward_plan(4096, 9, 7168, dev).kernel == "stats_apply", "K <= 8 only"
     assert cuda.choose_backward_plan(4096, 8, 7168, dev, element_size=4).kernel == "stats_apply", "16-bit only"
     assert cuda.choose_backward_plan(4096, 8, 7164, dev).kernel == "stats_apply", "H % 8 == 0 only"

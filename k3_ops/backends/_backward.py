@@ -48,7 +48,8 @@ class BackwardPlan:
         num_programs, launch_options and num_stages, then ``attn_res_bwd_apply_kernel`` on a
         (apply_programs, cdiv(H, apply_block)) grid with apply_options and apply_num_stages).
     vectors_per_thread: "single_read" only (CUDA C++, csrc_cuda/attn_res_bwd.cu; num_programs programs, FP64
-        workspace): 16-byte column vectors per thread and row.
+        workspace): 0, the token's rows stay in shared memory (one 16-byte column vector per thread and row);
+        1 or 2, they sit in registers, that many 16-byte vectors per thread and row.
     scalars_programs: "stats_apply" only: programs of ``attn_res_bwd_scalars_kernel`` (0: apply_programs x
         chunks), each walking a contiguous token range.
     reduce_options: launch options of the weight-gradient reduction (empty: launch_options). Its FP64 tiles

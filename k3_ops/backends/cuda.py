@@ -515,13 +515,15 @@ class BackwardConfig:
     vectors_per_thread: "single_read" only: how a program holds the token's rows. 0: in shared memory, one 16-byte
         column vector per thread and row (H / 8 threads: 28 warps at H = 7168 at 64 registers); 1 or 2: in
         registers, that many vectors per thread and row (H / 8 / vectors_per_thread threads, 64 or 128 registers).
-        None (default): 0 where its shared memory (the token's K + 2 rows, an FP64 [H] row) fits the device's
-        opt-in, else 2 (eighth session, H200: 0 is 1.34-1.52x faster than 2 at K = 8 and on par at K = 1;
-        docs/benchmarks.md "Eighth session").
+        None (default): 2 for K <= SINGLE_READ_SMEM_MIN_K - 1 (the 3- and 6-row variants, which hold their
+        rows in registers without spilling), 0 from there on; either falls back to the other where its shared
+        memory does not fit the device's opt-in (eighth session, H200, H = 7168: 0 is 1.34-1.36x faster than 2
+        at K = 8, 2 is 0-2 % faster at K = 1-4; docs/benchmarks.md "Eighth session").
 
     Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training"): the CUDA C++
     single-read kernel wherever it runs (seventh session: 1.13-1.19x faster than the split at T = 4096-16384,
-    K = 1 and 8); for the Triton kernels the split with
+    K = 1 and 8, register layout; eighth session: the shared-memory layout from K = 5, 1.5-1.6x faster than the
+    split at K = 8); for the Triton kernels the split with
     1-warp programs over 1024-column chunks for both streams (no cross-warp reduction in the statistics; 32
     elements per thread in the apply pass), 8 programs per SM for each (one wave: ptxas gives them 221-241
     registers, so 8 fit an SM), 3 stages, FP64 statistics and dw accumulation (fifth session: 1.26-1.57x faster
@@ -595,6 +597,13 @@ SCALARS_PROGRAMS_PER_SM = 16
 #: Warps of the weight-gradient reduction, whatever the gradient kernel's (8: what rows and tiles always used).
 REDUCE_NUM_WARPS = 8
 
+#: "single_read" with vectors_per_thread None: the shared-memory-resident layout (0) from this K on, the
+#: register-resident one (2) below it. K + 2 rows of one vector pair each fill 128 registers from K = 5 (the
+#: 10-row variant spills), where the register-resident program's 14 warps (H = 7168) are too few to hide latency:
+#: on the H200 at K = 8 the 28-warp shared-memory layout is 1.34-1.36x faster (T = 4096-16384); at K = 1, 2, 4
+#: the register layout is 0-2 % faster (6 % at H = 4096, K = 1). Eighth session, docs/data/h200_bwd_probe_s8b.json.
+SINGLE_READ_SMEM_MIN_K = 5
+
 #: The default backward launch configuration; benchmarks pass ``config=`` to ``attn_res_backward`` instead.
 BACKWARD_CONFIG = BackwardConfig()
 
@@ -642,9 +651,10 @@ def choose_backward_plan(T: int, K: int, H: int, device: torch.device,
     k_pad = next_power_of_2(K + 1)
     kernel = config.kernel
     if kernel in ("auto", "single_read"):
-        # The shared-memory-resident variant first (more warps per SM), then the register-resident one, whose
-        # program needs no FP64 partials per warp and fits wider rows at K = 8.
-        for vpt in (0, 2) if config.vectors_per_thread is None else (config.vectors_per_thread,):
+        # The measured layout for this K first, then the other one (their shared memory differs by a few
+        # hundred bytes, so where one does not fit the other rarely does; the Triton kernels come next).
+        preferred = (0, 2) if K >= SINGLE_READ_SMEM_MIN_K else (2, 0)
+        for vpt in preferred if config.vectors_per_thread is None else (config.vectors_per_thread,):
             if single_read_supported(K, H, device, element_size, vpt):
                 return _backward.BackwardPlan(num_programs=min(T, num_sms(device)), block_h=H, k_pad=k_pad,
                                               acc64=True, kernel="single_read", vectors_per_thread=vpt,
