@@ -380,6 +380,8 @@ def test_cuda_single_read_kernel_is_built():
     assert cuda.choose_backward_plan(4096, 8, 7168, dev, element_size=4).kernel == "stats_apply", "16-bit only"
     assert cuda.choose_backward_plan(4096, 8, 7164, dev).kernel == "stats_apply", "H % 8 == 0 only"
     assert cuda.choose_backward_plan(4096, 8, 8200, dev).kernel == "tiles"
+    if cuda._properties(dev).shared_memory_per_block_optin < 237216:  # the H200's 232448, say
+        assert cuda.choose_backward_plan(4096, 8, 8192, dev).kernel == "stats_apply", "H = 8192, K = 8: no fit"
 
 
 @requires_cuda
@@ -391,6 +393,7 @@ def test_cuda_single_read_kernel_is_built():
     Sample(T=129, K=6, cap=7, H=4096, dtype=torch.bfloat16, layout="blockmajor"),
     Sample(T=3, K=8, cap=8, H=7168, dtype=torch.bfloat16),  # fewer tokens than SMs
     Sample(T=1000, K=7, cap=8, H=7168, dtype=torch.bfloat16, proj_2d=False),
+    Sample(T=700, K=7, cap=8, H=8192, dtype=torch.float16),  # 1024 threads, the largest shared memory that fits
 ]))
 def test_cuda_single_read_contract(sample: Sample, policy: str):
     """The CUDA C++ kernel (both thread layouts) on shapes beyond CUDA_CASES: each rows variant (K + 2 <= 3, 6,
