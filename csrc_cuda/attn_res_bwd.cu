@@ -170,6 +170,35 @@ __device__ __forceinline__ double warp_max(double v) {
   return v;
 }
 
+// The softmax and its backward for one token, in FP64, lane l for candidate row r = l + 1 (both layouts): sum the
+// warps' partial statistics (red: [nwarps][3 * MAXR] doubles, row r's sum(v^2), <v, w>, <v, gy> at 3 (r - 1)) in
+// a fixed order (identical bits in every warp and run), then r = rsqrt(mean(v^2) + eps), score = r d, p =
+// softmax(score), gs = p (<v, gy> - sum p <v, gy>). Returns the lane's FP32 coefficients of dv = x gy + y w - z v,
+// dw += y v: (p, gs r, gs d r^3 / H); zeros for lanes past the token's rows. Every lane of the warp must call it.
+template <int MAXR>
+__device__ __forceinline__ float3 softmax_backward_coefficients(const double* red, int nwarps, int nrows, int lane,
+                                                                int64_t H, double eps) {
+  const int r = lane + 1;
+  const bool valid = r < nrows;
+  double ss = 0.0, dd = 0.0, gg = 0.0;
+  if (valid) {
+    for (int q = 0; q < nwarps; ++q) {
+      const double* in = red + q * 3 * MAXR + 3 * (r - 1);
+      ss += in[0];
+      dd += in[1];
+      gg += in[2];
+    }
+  }
+  const double rr = valid ? rsqrt(ss / static_cast<double>(H) + eps) : 0.0;
+  const double score = rr * dd;
+  const double m = warp_max(valid ? score : -INFINITY);
+  const double e = valid ? exp(score - m) : 0.0;
+  const double p = e * (1.0 / warp_sum(e));
+  const double gs = p * (gg - warp_sum(p * gg));
+  return make_float3(static_cast<float>(p), static_cast<float>(gs * rr),
+                     static_cast<float>(gs * dd * rr * rr * rr / static_cast<double>(H)));
+}
+
 // Row r of a token, as the kernel numbers them: 0 = grad_out, 1 = the prefix (candidate v_K), 2 + i = v_i.
 // Fixed register positions for grad_out and the prefix keep every register array index a compile-time constant.
 template <typename T>
@@ -295,29 +324,9 @@ __global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read
     // second barrier. The partials are double-buffered by token parity: token t + 1 writes the other buffer, and
     // token t + 2 writes this one only after every warp has passed token t + 1's barrier, i.e. finished reading.
     __syncthreads();
-    float ca_l, cb_l, cc_l;  // this lane's candidate: dv = ca gy + cb w - cc v, dw += cb v
-    {
-      const int r = lane + 1;
-      const bool valid = r < nrows;
-      double ss = 0.0, dd = 0.0, gg = 0.0;
-      if (valid) {
-        for (int q = 0; q < nwarps; ++q) {  // a fixed order: identical bits in every warp and run
-          const double* in = red + q * 3 * MAXR + 3 * (r - 1);
-          ss += in[0];
-          dd += in[1];
-          gg += in[2];
-        }
-      }
-      const double rr = valid ? rsqrt(ss / static_cast<double>(H) + a.eps) : 0.0;
-      const double score = rr * dd;
-      const double m = warp_max(valid ? score : -INFINITY);
-      const double e = valid ? exp(score - m) : 0.0;
-      const double p = e * (1.0 / warp_sum(e));
-      const double gs = p * (gg - warp_sum(p * gg));
-      ca_l = static_cast<float>(p);
-      cb_l = static_cast<float>(gs * rr);
-      cc_l = static_cast<float>(gs * dd * rr * rr * rr / static_cast<double>(H));
-    }
+    // This lane's candidate: dv = ca gy + cb w - cc v, dw += cb v (every warp computes the same values).
+    const float3 coef = softmax_backward_coefficients<MAXR>(red, nwarps, nrows, lane, H, a.eps);
+    const float ca_l = coef.x, cb_l = coef.y, cc_l = coef.z;
 
     // Pass 2: dv_r = p gy + gs r w - (gs d r^3 / H) v, from the same registers; dw_t = sum_r gs r v in FP32.
     // Vector-outer order, so that only one vector's dw partials are live at a time (registers: the K = 8 variant
@@ -460,26 +469,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) attn_res_bwd_single_read_smem_
     }
     __syncthreads();
     if (warp == 0) {
-      const int r = lane + 1;
-      const bool valid = r < nrows;
-      double ss = 0.0, dd = 0.0, gg = 0.0;
-      if (valid) {
-        for (int q = 0; q < nwarps; ++q) {  // a fixed order: identical bits run to run
-          const double* in = red + q * 3 * MAXR + 3 * (r - 1);
-          ss += in[0];
-          dd += in[1];
-          gg += in[2];
-        }
-      }
-      const double rr = valid ? rsqrt(ss / static_cast<double>(H) + a.eps) : 0.0;
-      const double score = rr * dd;
-      const double m = warp_max(valid ? score : -INFINITY);
-      const double e = valid ? exp(score - m) : 0.0;
-      const double p = e * (1.0 / warp_sum(e));
-      const double gs = p * (gg - warp_sum(p * gg));
-      if (valid)
-        coef_s[r] = make_float4(static_cast<float>(p), static_cast<float>(gs * rr),
-                                static_cast<float>(gs * dd * rr * rr * rr / static_cast<double>(H)), 0.f);
+      const float3 c = softmax_backward_coefficients<MAXR>(red, nwarps, nrows, lane, H, a.eps);
+      if (lane + 1 < nrows) coef_s[lane + 1] = make_float4(c.x, c.y, c.z, 0.f);
     }
     __syncthreads();
 
