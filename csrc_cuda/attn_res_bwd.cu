@@ -12,7 +12,7 @@
 //   * shared-memory-resident (attn_res_bwd_single_read_smem_kernel, the default from K = 5): the rows stay in
 //     shared memory and both passes read them from there, so a thread needs 64 registers and an SM runs twice the
 //     warps (at K = 8 the register layout fills 128 registers per thread, spills, and its 14 warps at H = 7168
-//     leave it latency-bound: 0.58-0.65 of copy bandwidth against 0.78-0.88 for this one on the H200).
+//     leave it latency-bound: 0.58-0.65 of copy bandwidth against 0.77-0.88 for this one on the H200).
 //
 // The register-resident kernel:
 //
