@@ -170,6 +170,31 @@ __device__ __forceinline__ double warp_max(double v) {
   return v;
 }
 
+// Pass 1's per-vector step, both layouts: add one 16-byte vector's sum(v^2), <v, w>, <v, gy> (FP32) into the
+// row's three partials (part3[0..2]); w8 and gy8 are this vector's 8 weights and grad_out values.
+template <typename T>
+__device__ __forceinline__ void accumulate_row_stats(float* part3, const uint4& u, const float (&w8)[kElemsPerVector],
+                                                     const float (&gy8)[kElemsPerVector]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 x = Pack<T>::unpack(word(u, j));
+    part3[0] = fmaf(x.y, x.y, fmaf(x.x, x.x, part3[0]));
+    part3[1] = fmaf(x.y, w8[2 * j + 1], fmaf(x.x, w8[2 * j], part3[1]));
+    part3[2] = fmaf(x.y, gy8[2 * j + 1], fmaf(x.x, gy8[2 * j], part3[2]));
+  }
+}
+
+// Pass 1's warp step, both layouts: sum a row group's kN partials over the warp (transposing butterfly) and store
+// this warp's totals for rows r0 .. r0 + kRowsPerGroup - 1 into red[warp][3 (r - 1) + q], in FP64.
+template <int kN, int MAXR>
+__device__ __forceinline__ void store_group_totals(float (&part)[kN], int lane, int warp, int r0, double* red) {
+  const float total = warp_sum_transposed<kN>(part, lane);
+  const int index = butterfly_index<kN>(lane);
+  const int rows_here = MAXR - r0 < kRowsPerGroup ? MAXR - r0 : kRowsPerGroup;
+  if (lane % (kWarpSize / kN) == 0 && index < 3 * rows_here)
+    red[warp * 3 * MAXR + 3 * (r0 - 1) + index] = static_cast<double>(total);
+}
+
 // The softmax and its backward for one token, in FP64, lane l for candidate row r = l + 1 (both layouts): sum the
 // warps' partial statistics (red: [nwarps][3 * MAXR] doubles, row r's sum(v^2), <v, w>, <v, gy> at 3 (r - 1)) in
 // a fixed order (identical bits in every warp and run), then r = rsqrt(mean(v^2) + eps), score = r d, p =
@@ -301,22 +326,10 @@ __global__ void __launch_bounds__(kMaxThreads / VPT, 1) attn_res_bwd_single_read
         const int r = r0 + dr;
         if (r < MAXR && 3 * dr + 2 < kN && r < nrows) {  // the first two are compile-time
 #pragma unroll
-          for (int k = 0; k < VPT; ++k) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float2 v = P::unpack(word(x[r][k], j));
-              part[3 * dr] = fmaf(v.y, v.y, fmaf(v.x, v.x, part[3 * dr]));
-              part[3 * dr + 1] = fmaf(v.y, w[k][2 * j + 1], fmaf(v.x, w[k][2 * j], part[3 * dr + 1]));
-              part[3 * dr + 2] = fmaf(v.y, gy[k][2 * j + 1], fmaf(v.x, gy[k][2 * j], part[3 * dr + 2]));
-            }
-          }
+          for (int k = 0; k < VPT; ++k) accumulate_row_stats<T>(&part[3 * dr], x[r][k], w[k], gy[k]);
         }
       }
-      const float total = warp_sum_transposed<kN>(part, lane);
-      const int index = butterfly_index<kN>(lane);
-      const int rows_here = MAXR - r0 < kRowsPerGroup ? MAXR - r0 : kRowsPerGroup;
-      if (lane % (kWarpSize / kN) == 0 && index < 3 * rows_here)
-        red[warp * 3 * MAXR + 3 * (r0 - 1) + index] = static_cast<double>(total);
+      store_group_totals<kN, MAXR>(part, lane, warp, r0, red);
     }
 
     // One barrier per token: every warp then computes the softmax and its backward itself (the same FP64 values
@@ -452,20 +465,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) attn_res_bwd_single_read_smem_
         const int r = r0 + dr;
         if (r < MAXR && r < nrows) {
           const uint4 u = active ? rows_s[r * nvec + v] : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 x = P::unpack(word(u, j));
-            part[3 * dr] = fmaf(x.y, x.y, fmaf(x.x, x.x, part[3 * dr]));
-            part[3 * dr + 1] = fmaf(x.y, w[2 * j + 1], fmaf(x.x, w[2 * j], part[3 * dr + 1]));
-            part[3 * dr + 2] = fmaf(x.y, gy[2 * j + 1], fmaf(x.x, gy[2 * j], part[3 * dr + 2]));
-          }
+          accumulate_row_stats<T>(&part[3 * dr], u, w, gy);
         }
       }
-      const float total = warp_sum_transposed<kN>(part, lane);
-      const int index = butterfly_index<kN>(lane);
-      const int rows_here = MAXR - r0 < kRowsPerGroup ? MAXR - r0 : kRowsPerGroup;
-      if (lane % (kWarpSize / kN) == 0 && index < 3 * rows_here)
-        red[warp * 3 * MAXR + 3 * (r0 - 1) + index] = static_cast<double>(total);
+      store_group_totals<kN, MAXR>(part, lane, warp, r0, red);
     }
     __syncthreads();
     if (warp == 0) {
