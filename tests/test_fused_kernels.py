@@ -1,9 +1,9 @@
 """The fused Triton path of kimi_k3::fused_attn_res (kernels/attn_res_fwd.py with its fused flags).
 
-Interpreter: the CUDA policy with the rows and split paths forced (with and without each flag: addend,
+Interpreter: the CUDA policy with the token, rows and split paths forced (with and without each flag: addend,
 snapshot, output norm), the NPU policy, the NPU policy on the simulated PrivateUse1 device through the
-dispatcher. CUDA (requires_cuda): the same contract on the GPU per path, the split path in one launch (spin
-barrier) and in two-launch mode, and the number of kernel launches per fused call.
+dispatcher. CUDA (requires_cuda): the same contract on the GPU per path, with and without PDL, and the number of
+kernel launches per fused call.
 """
 from __future__ import annotations
 
@@ -15,12 +15,15 @@ from test_fused import NORM_RTOL, FusedCase, _truncate_to_bf16, bits, positional
 from test_npu_simulated import NpuTensor, simulated_npu  # noqa: F401  (the fixture)
 
 
-#: Forced launch configurations per path: the rows kernel with its row held in registers (prefetch 1) and
-#: pipelined through shared memory (prefetch 0, the large-T default), and the split kernel.
+#: Forced launch configurations per path: the per-token kernel with one- and two-row tiles (the decode default is
+#: four), the rows kernel with its row held in registers (prefetch 1) and pipelined through shared memory
+#: (prefetch 0, the large-T default), and the split kernel.
 FORCED = {
+    "token": dict(kernel="token", rows_per_tile=2, num_warps=4),
+    "token-1row": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=1),
     "rows": dict(kernel="rows", prefetch=1),
     "rows-pipelined": dict(kernel="rows", prefetch=0, num_stages=3),
-    "split": dict(kernel="split", chunk=16, max_chunk=64),
+    "split": dict(kernel="split", chunk=16),
 }
 
 
@@ -104,11 +107,11 @@ def test_cuda_policy_paths_under_interpreter(case: FusedCase, path: str, monkeyp
 @requires_interpreter
 @pytest.mark.interpreter
 def test_cuda_policy_k3_hidden_size_under_interpreter(monkeypatch):
-    """H = 7168 (not a power of two) on the split path, one token, all flags."""
+    """H = 7168 (not a power of two) on the decode path, one token, all flags."""
     case = FusedCase(Sample(T=1, K=2, cap=3, H=7168, dtype=torch.bfloat16), norm="own")
     args = case.make("cpu")
     buf_before = args["block_residual"].clone()
-    out, new_prefix, mix = _run_policy(case, args, "split", monkeypatch)
+    out, new_prefix, mix = _run_policy(case, args, "token", monkeypatch)
     check_contract(case, args, buf_before, out, new_prefix, mix, truncating_bf16=True)
 
 
@@ -155,23 +158,21 @@ CUDA_CASES = [
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("two_launch", [False, True], ids=["barrier", "two_launch"])
+@pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "nopdl"])
 @pytest.mark.parametrize("path", list(FORCED))
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CUDA_CASES])
-def test_cuda_paths(case: FusedCase, path: str, two_launch: bool, monkeypatch):
-    if two_launch:
-        if path != "split":
-            pytest.skip("two-launch mode is a split-path option")
-        monkeypatch.setenv("K3_OPS_SPLIT_TWO_LAUNCH", "1")
+def test_cuda_paths(case: FusedCase, path: str, pdl: str, monkeypatch):
     from k3_ops.backends import cuda
 
-    if path == "split":  # the co-residency rule may send large T to rows: test only what the policy takes
-        if cuda.choose_config(case.base.T, case.base.K, case.base.H, torch.device("cuda"), _forced("split")).kernel != "split":
-            pytest.skip(f"T={case.base.T} does not fit the split path's co-resident grid")
+    if pdl == "0" and not FORCED[path]["kernel"] in ("token", "rows"):
+        pytest.skip("PDL is a token / rows path option")
+    monkeypatch.setenv("K3_OPS_PDL", pdl)
+    cuda.clear_plan_cache()
     args = case.make("cuda")
     buf_before = args["block_residual"].clone()
     out, new_prefix, mix = _run_policy(case, args, path, monkeypatch)
     check_contract(case, args, buf_before, out, new_prefix, mix, truncating_bf16=False)
+    cuda.clear_plan_cache()
 
 
 def _kernel_launches(fn) -> int:
@@ -190,13 +191,11 @@ def _kernel_launches(fn) -> int:
 @pytest.mark.parametrize("norm", ["none", "own"])
 @pytest.mark.parametrize("T", [1, 8, 64, 4096], ids=lambda t: f"T{t}")
 def test_kernel_launches_per_call(T: int, norm: str):
-    """One kernel per fused call (allocation issues no kernel); the split path with the output norm keeps to
-    one launch too (second barrier round); issue 6 allows two there."""
+    """One kernel per fused call on the default paths (allocation issues no kernel)."""
     from k3_ops.backends import cuda
 
     case = FusedCase(Sample(T=T, K=8, cap=9, H=7168, dtype=torch.bfloat16), norm=norm)
     args = case.make("cuda")
     n = _kernel_launches(lambda: cuda.fused_attn_res(*positional(args)))
     plan = cuda.choose_config(T, 8, 7168, torch.device("cuda"))
-    limit = 2 if plan.kernel == "split" and norm != "none" else 1
-    assert 1 <= n <= limit, f"{case.id} ({plan.kernel}): {n} kernel launches per fused call"
+    assert n == 1, f"{case.id} ({plan.kernel}): {n} kernel launches per fused call"

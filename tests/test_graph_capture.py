@@ -1,8 +1,7 @@
 """Graph capture of the compiled toy K3 stack: CUDA graphs on an NVIDIA GPU, NPUGraph (ACLGraph) on Ascend.
 
 What a serving engine does for decode: warm the kernels up (``k3_ops.warmup``: every Triton variant
-compiled and the split-path workspace allocated, so capture neither compiles nor allocates outside the
-graph pool), compile the model (fullgraph, dynamic, unbacked token dim), run it a few times on a side
+compiled and its launch handle cached, so capture compiles nothing and allocates only in the graph pool), compile the model (fullgraph, dynamic, unbacked token dim), run it a few times on a side
 stream, capture one step per static batch size into a graph, then per step copy fresh inputs into the
 static input buffer and replay.
 
@@ -27,7 +26,7 @@ import k3_ops
 from conftest import requires_cuda
 from test_model_graph import ToyK3Model, make_input, mark_tokens_unbacked
 
-HIDDEN = 1024  # small, but wide enough for the split path's several chunks per token
+HIDDEN = 1024  # small, but a multi-warp row per token
 NUM_LAYERS = 7  # snapshots at layers 0, 3, 6: K runs 0..3
 MAX_TOKENS = 512
 STATIC_BATCHES = (1, 16)  # decode batch sizes captured, each its own graph, from one compiled frame

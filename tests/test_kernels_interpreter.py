@@ -1,4 +1,4 @@
-"""Both Triton launch policies (CUDA: split and rows paths; Ascend NPU) under the Triton interpreter, on CPU
+"""Both Triton launch policies (CUDA: token, rows and split paths; Ascend NPU) under the Triton interpreter, on CPU
 tensors, against the float64 truth with the accuracy contract (issue 3).
 
 Contract: the kernel's max-abs and mean-abs errors against the float64 truth are each at most 1.25x those of
@@ -7,8 +7,6 @@ truncates (rounds toward zero) where the GPU rounds to nearest even. So for bf16
 the same way (truncated), and the kernel must additionally stay within one bf16 ulp of the round-to-nearest
 eager output: the one-ulp allowance, and nothing more.
 
-The CUDA policy's split path runs in its two-launch mode here (the interpreter runs programs one after another,
-so the one-launch spin barrier cannot); tests/test_kernels_cuda.py checks the barrier on a GPU.
 These tests skip on GPU machines (kernels are compiled for the GPU there); the CUDA tests cover the policies.
 """
 from __future__ import annotations
@@ -48,6 +46,8 @@ def cuda_config(path: str | None):
 
     if path == "rows-pipelined":  # the large-T default: rows staged through shared memory (prefetch 0)
         return {"config": LaunchConfig(kernel="rows", prefetch=0, num_stages=3)}
+    if path.startswith("token-"):  # the decode kernel with 1- or 8-row tiles (the default is 4)
+        return {"config": LaunchConfig(kernel="token", rows_per_tile=int(path[6:-3]), num_stages=1)}
     return {"config": LaunchConfig(kernel=path, prefetch=1) if path == "rows" else LaunchConfig(kernel=path)}
 
 
@@ -87,20 +87,20 @@ def check_contract(out: torch.Tensor, args: dict, what: str):
 
 # (sample, CUDA path the default table must pick for it under the interpreter's 132 "SMs")
 CONTRACT_CASES = [
-    (Sample(T=7, K=4, cap=8, H=7168, dtype=torch.bfloat16), "split"),  # the Kimi K3 hidden size, decode-ish
-    (Sample(T=7, K=4, cap=8, H=7168, dtype=torch.float32), "split"),
+    (Sample(T=7, K=4, cap=8, H=7168, dtype=torch.bfloat16), "token"),  # the Kimi K3 hidden size, decode-ish
+    (Sample(T=7, K=4, cap=8, H=7168, dtype=torch.float32), "token"),
     # The full-capacity profile-run shape. H = 64 instead of 7168 keeps it cheap: the interpreter executes
     # every program's ops in Python, and 512 tokens x 9 candidates at H = 7168 take minutes. T = 512 is kept
     # because it is what selects the rows path (and many tokens per NPU program).
     (Sample(T=512, K=8, cap=8, H=64, dtype=torch.bfloat16), "rows"),
-    (Sample(T=5, K=3, cap=6, H=320, dtype=torch.bfloat16), "split"),
-    (Sample(T=5, K=3, cap=6, H=320, dtype=torch.float16), "split"),
-    (Sample(T=5, K=3, cap=6, H=320, dtype=torch.float32), "split"),
-    (Sample(T=6, K=1, cap=2, H=96, dtype=torch.float16), "split"),  # K = 1
-    (Sample(T=5, K=2, cap=4, H=33, dtype=torch.float16), "split"),  # H not a multiple of anything
-    (Sample(T=6, K=3, cap=5, H=96, dtype=torch.bfloat16, layout="blockmajor"), "split"),
-    (Sample(T=3, K=20, cap=24, H=48, dtype=torch.float32, proj_2d=False), "rows"),  # K + 1 > 16: no split
-    (Sample(T=2, K=64, cap=64, H=32, dtype=torch.bfloat16), "rows"),  # K = 64 (NPU: K_PAD = 128)
+    (Sample(T=5, K=3, cap=6, H=320, dtype=torch.bfloat16), "token"),
+    (Sample(T=5, K=3, cap=6, H=320, dtype=torch.float16), "token"),
+    (Sample(T=5, K=3, cap=6, H=320, dtype=torch.float32), "token"),
+    (Sample(T=6, K=1, cap=2, H=96, dtype=torch.float16), "token"),  # K = 1
+    (Sample(T=5, K=2, cap=4, H=33, dtype=torch.float16), "token"),  # H not a multiple of anything
+    (Sample(T=6, K=3, cap=5, H=96, dtype=torch.bfloat16, layout="blockmajor"), "token"),
+    (Sample(T=3, K=20, cap=24, H=48, dtype=torch.float32, proj_2d=False), "token"),  # K + 1 > 16: many tiles
+    (Sample(T=2, K=64, cap=64, H=32, dtype=torch.bfloat16), "token"),  # K = 64 (NPU: K_PAD = 128)
 ]
 
 
@@ -117,17 +117,18 @@ def test_accuracy_contract(policy, sample, expected_path):
     check_contract(out, args, f"{policy}:{sample.id}")
 
 
-# Each CUDA path forced on shapes the table would route to the other one: both must be correct everywhere.
+# Each CUDA path forced on shapes the table would route to another one: every path must be correct everywhere.
 FORCED = [
     Sample(T=7, K=4, cap=8, H=7168, dtype=torch.bfloat16),
     Sample(T=5, K=2, cap=4, H=33, dtype=torch.float16),
     Sample(T=6, K=3, cap=5, H=96, dtype=torch.float32, layout="blockmajor"),
     Sample(T=40, K=15, cap=16, H=40, dtype=torch.bfloat16),  # the split path's largest K (K_PAD = 16)
+    Sample(T=3, K=9, cap=9, H=40, dtype=torch.float16),  # ragged last tile: 9 = 4 + 4 + 1 rows
 ]
 
 
 @pytest.mark.parametrize("sample", [pytest.param(s, id=s.id) for s in FORCED])
-@pytest.mark.parametrize("path", ["rows", "rows-pipelined", "split"])
+@pytest.mark.parametrize("path", ["token", "token-1row", "token-8row", "rows", "rows-pipelined", "split"])
 def test_cuda_paths_forced(path, sample):
     args = sample.make(seed=1)
     check_contract(run_policy("cuda", args, **cuda_config(path)), args, f"cuda-{path}:{sample.id}")
@@ -212,12 +213,14 @@ def test_cuda_launch_table_overrides():
     finally:
         cuda.set_launch_config(8, 8, old)
     assert cuda.choose_config(7, 5, 7168, torch.device("cpu")).kernel == old.kernel
-    # Split plans keep T * P co-resident: at T = 18, chunk 512 (P = 14) does not fit 132 SMs, 1024 (P = 7) does.
     plan = cuda.choose_config(18, 4, 7168, torch.device("cpu"), cuda.LaunchConfig(kernel="split", chunk=512))
-    assert (plan.kernel, plan.chunk, plan.p, plan.k_pad) == ("split", 1024, 7, 8)
-    assert 18 * plan.p <= cuda.INTERPRETER_NUM_SMS
-    # ... and beyond max_chunk the rows path takes over.
-    assert cuda.choose_config(64, 4, 7168, torch.device("cpu"), cuda.LaunchConfig(kernel="split")).kernel == "rows"
+    assert (plan.kernel, plan.chunk, plan.p, plan.k_pad) == ("split", 512, 14, 8)
+    # Decode sizes take the per-token kernel, large T the rows kernel; PDL never under the interpreter.
+    plan = cuda.choose_config(cuda.TOKEN_MAX_T, 8, 7168, torch.device("cpu"))
+    assert (plan.kernel, plan.rows_per_tile, plan.pdl) == ("token", 4, False)
+    assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 8, 7168, torch.device("cpu")).kernel == "rows"
+    with pytest.raises(ValueError, match=r"LaunchConfig.rows_per_tile must be a power of two >= 1, got 3"):
+        cuda.LaunchConfig(kernel="token", rows_per_tile=3)
     with pytest.raises(ValueError, match=r"LaunchConfig.chunk must be a power of two >= 16, got 100"):
         cuda.LaunchConfig(kernel="split", chunk=100)
     with pytest.raises(ValueError, match=r"must come from T_BUCKETS"):

@@ -1,4 +1,4 @@
-"""Recompile safety (issue 3): token counts T in {1, 7, 16, 17, 512} with fixed K, H and dtype use one compiled
+"""Recompile safety: token counts T in {1, 7, 16, 17, 512} with fixed K, H and dtype use one compiled
 kernel per launch path, and after ``k3_ops.warmup`` the default launch table compiles nothing new.
 
 Two ways of counting:
@@ -18,7 +18,14 @@ import k3_ops
 from conftest import Sample, requires_cuda
 
 TOKEN_COUNTS = (1, 7, 16, 17, 512)
-KERNEL_NAMES = ("attn_res_rows_kernel", "attn_res_split_kernel", "attn_res_npu_kernel")
+#: The forward kernels by module: kernels/attn_res_fwd.py and kernels/attn_res_decode.py.
+KERNEL_NAMES = ("attn_res_rows_kernel", "attn_res_split_kernel", "attn_res_npu_kernel", "attn_res_token_kernel")
+
+
+def _kernel_module(name: str):
+    from k3_ops.kernels import attn_res_decode, attn_res_fwd
+
+    return attn_res_decode if name == "attn_res_token_kernel" else attn_res_fwd
 
 
 def _do_not_specialize(fn) -> set[str]:
@@ -66,13 +73,13 @@ class _Recorder:
 @pytest.fixture
 def recorders(monkeypatch):
     """Intercept the forward kernels; ``recorders(run=...)`` returns {name: _Recorder}."""
-    from k3_ops.kernels import attn_res_fwd
 
     def install(run: bool = False):
         recs = {}
         for name in KERNEL_NAMES:
-            recs[name] = _Recorder(getattr(attn_res_fwd, name), run)
-            monkeypatch.setattr(attn_res_fwd, name, recs[name])
+            module = _kernel_module(name)
+            recs[name] = _Recorder(getattr(module, name), run)
+            monkeypatch.setattr(module, name, recs[name])
         return recs
 
     return install
@@ -89,22 +96,18 @@ def _cpu_or_cuda() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("path", ["rows", "split"])
+@pytest.mark.parametrize("path", ["token", "rows", "split"])
 def test_one_compile_key_per_cuda_path(recorders, path):
     from k3_ops.backends.cuda import LaunchConfig
 
     recs = recorders(run=False)
     device = _cpu_or_cuda()
-    if path == "rows":
-        config, H = LaunchConfig(kernel="rows"), 7168
-    else:
-        # H = 64 in one 64-wide chunk: every T up to 512 keeps the split path (512 programs <= SMs x 4).
-        config, H = LaunchConfig(kernel="split", chunk=64, max_chunk=64, split_ctas_per_sm=4), 64
+    config, H = LaunchConfig(kernel=path), 7168
     for T in TOKEN_COUNTS:
         _run_cuda_policy(T, device, config, H=H)
     rec = recs[f"attn_res_{path}_kernel"]
-    other = recs["attn_res_split_kernel" if path == "rows" else "attn_res_rows_kernel"]
-    assert other.keys == [], f"the {path} config fell back to the other path"
+    others = [name for name in KERNEL_NAMES if name != f"attn_res_{path}_kernel" and recs[name].keys]
+    assert not others, f"the {path} config launched {others}"
     launches_per_call = len(rec.keys) // len(TOKEN_COUNTS)
     assert len(set(rec.keys)) == launches_per_call, (
         f"{len(set(rec.keys))} compile keys for T in {TOKEN_COUNTS} (expected {launches_per_call}: one per launch "
@@ -123,7 +126,8 @@ def test_one_compile_key_for_npu_policy(recorders):
 
 
 def test_k_is_not_a_compile_key_within_a_k_pad(recorders):
-    # K is a runtime argument: K = 5, 6, 7 share K_PAD = 8 and therefore one compiled kernel on every path.
+    # K is a runtime argument: K = 5, 6, 7 share K_PAD = 8 and therefore one compiled kernel on every path (the
+    # token and rows paths have no K_PAD at all).
     from k3_ops.backends import cuda, npu
 
     recs = recorders(run=False)
@@ -145,7 +149,7 @@ def test_block_major_shares_token_major_kernels(recorders):
     for layout in ("tokenmajor", "blockmajor"):
         for T in (7, 512):
             cuda.attn_res_forward(**Sample(T=T, K=4, cap=8, H=7168, layout=layout).make(device=_cpu_or_cuda()))
-    for name in ("attn_res_rows_kernel", "attn_res_split_kernel"):
+    for name in ("attn_res_rows_kernel", "attn_res_token_kernel"):
         keys = recs[name].keys
         assert keys and len(set(keys)) == len(keys) // 2, name
 
@@ -176,7 +180,7 @@ def test_cuda_compiled_variants():
     from k3_ops.kernels import attn_res_fwd
 
     def count():
-        return {name: sum(len(c[0]) for c in getattr(attn_res_fwd, name).device_caches.values())
+        return {name: sum(len(c[0]) for c in getattr(_kernel_module(name), name).device_caches.values())
                 for name in KERNEL_NAMES}
 
     before = count()
@@ -184,11 +188,15 @@ def test_cuda_compiled_variants():
         _run_cuda_policy(T, "cuda", cuda.LaunchConfig(kernel="rows"))
     after_rows = count()
     assert after_rows["attn_res_rows_kernel"] - before["attn_res_rows_kernel"] <= 1
-    split = cuda.LaunchConfig(kernel="split", chunk=64, max_chunk=64, split_ctas_per_sm=4)
+    for T in TOKEN_COUNTS:
+        _run_cuda_policy(T, "cuda", cuda.LaunchConfig(kernel="token"))
+    after_token = count()
+    assert after_token["attn_res_token_kernel"] - after_rows["attn_res_token_kernel"] <= 1
+    split = cuda.LaunchConfig(kernel="split", chunk=64)
     for T in TOKEN_COUNTS:
         _run_cuda_policy(T, "cuda", split, H=64)
     after_split = count()
-    assert after_split["attn_res_split_kernel"] - after_rows["attn_res_split_kernel"] <= 2  # one per PHASE used
+    assert after_split["attn_res_split_kernel"] - after_token["attn_res_split_kernel"] <= 2  # one per PHASE used
     k3_ops.warmup(7168, torch.bfloat16, "cuda", max_num_valid_blocks=8, max_num_tokens=1024)
     warmed = count()
     for T in TOKEN_COUNTS:

@@ -57,11 +57,16 @@ def trivial_attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, nor
 def prepare_weights(norm_weight: torch.Tensor, proj_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The two [H] weight vectors as the kernels load them: contiguous, in a dtype the kernels read.
 
-    ``proj_weight`` [1, H] is flattened to [H]. Weights of dtypes other than bf16/fp16/fp32 are cast to fp32
+    ``proj_weight`` [1, H] is read as [H] (a contiguous [1, H] is passed as it is). Weights of dtypes other than bf16/fp16/fp32 are cast to fp32
     (a tiny [H] op); the kernels fold ``w = norm_weight * proj_weight`` in FP32 themselves. Both are no-ops
     (no copy, no launch) for the usual contiguous bf16/fp16/fp32 parameters.
     """
     def one(t: torch.Tensor) -> torch.Tensor:
+        # The usual case returns the parameter itself (no view, no copy): the kernels read H contiguous values
+        # from its data pointer, which is what a contiguous [H] or [1, H] tensor is. Anything else is converted
+        # per call, so an in-place update of a parameter is always seen.
+        if t.dtype in KERNEL_IO_DTYPES and t.is_contiguous():
+            return t
         t = t.reshape(-1)
         if t.dtype not in KERNEL_IO_DTYPES:
             t = t.to(torch.float32)
@@ -78,8 +83,11 @@ def stride_vec(dtype: torch.dtype, strides: Sequence[int]) -> int:
     the kernel restores that knowledge: 8 elements for 2-byte dtypes and 4 for fp32 (16 bytes) when every
     stride is a multiple of it, otherwise 1 (correct, just narrower loads).
     """
-    vec = 16 // torch.empty((), dtype=dtype).element_size()
-    return vec if all(int(s) % vec == 0 for s in strides) else 1
+    vec = 16 // dtype.itemsize
+    for s in strides:
+        if s % vec:
+            return 1
+    return vec
 
 
 def hidden_strided(*tensors_and_dims: tuple[torch.Tensor, int]) -> bool:

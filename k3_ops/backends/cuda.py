@@ -1,33 +1,40 @@
 """CUDA launch policy for the kimi_k3 Triton kernels (NVIDIA GPUs; also drives the kernels under
 ``TRITON_INTERPRET=1`` on CPU tensors, which is how CI tests this policy without a GPU).
 
-Forward (``attn_res_forward``), two kernel paths from ``k3_ops.kernels.attn_res_fwd``:
+Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), kernel paths:
 
+- **token** (decode sizes, the default up to ``TOKEN_MAX_T`` tokens): ``kernels/attn_res_decode.py``, one program
+  per token streaming its K block rows in [ROWS, next_pow2(H)] tiles through an online softmax, the prefix
+  candidate folded in last; every row read once, no workspace. With programmatic dependent launch (PDL) on
+  sm_90+: a captured chain of calls overlaps each launch with its predecessor's tail (``K3_OPS_PDL=0`` turns it
+  off).
 - **rows** (large T): a persistent grid (``ctas_per_sm`` programs per SM); each program streams the candidate rows
   of its tokens (tokens pid, pid + grid, ...) as one continuous, prefetched sequence through a [next_pow2(H)]
   hidden tile with ``cols < H`` masks and an online softmax. Each candidate row is read once in its native dtype;
   each output row is written once; the folded weight is read once per program. Any K.
-- **split** (small T, K + 1 <= 16): H split into P = cdiv(H, chunk) programs per token, each holding a
-  [K_PAD, chunk] tile of all candidates in registers; partial (sum v^2, <v, w>) per chunk meet in a tiny fp32
-  workspace. Default: one launch with a per-token spin barrier that resets itself (CUDA-graph safe). The grid
-  must be co-resident for a spin barrier, so the path is taken only when T * P <= (SM count x
-  ``split_ctas_per_sm``). ``K3_OPS_SPLIT_TWO_LAUNCH=1`` (or the interpreter, which runs programs one after
-  another) uses two launches instead (partials, then combine + output) with identical results.
+- **split** (opt-in, small T, K + 1 <= 16): H split into P = cdiv(H, chunk) programs per token, each holding a
+  [K_PAD, chunk] tile of all candidates in registers; partial (sum v^2, <v, w>) per chunk are written by a first
+  launch and combined by a second (a third scales the output norm). The partials live in a buffer allocated per
+  call from the caching allocator, like an output.
+- **tiles** (opt-in): the Ascend kernel's two-pass algorithm on CUDA, for comparison.
+
+Concurrency: no path keeps state between launches or shares a buffer across calls, so any number of launches may
+be in flight on any streams of one device, eagerly or replayed from CUDA graphs (tests/test_concurrency.py).
 
 Launch table: ``LAUNCH_TABLE`` maps (T bucket, K bucket) -> ``LaunchConfig``; buckets are the powers of two in
 ``T_BUCKETS`` / ``K_BUCKETS`` (a value goes to the first bucket >= it). Benchmarks override an entry with
 ``set_launch_config`` or bypass the table with ``attn_res_forward(..., config=LaunchConfig(...))``.
-Compile keys are (dtype, kernel, BLOCK_H or chunk, K_PAD, VEC, num_warps, prefetch, PHASE, H_STRIDED):
-small and enumerable, and ``warmup`` compiles every one the table can pick for a model, before graph capture.
+Compile keys are small and enumerable (dtype, kernel, tile sizes, VEC, num_warps, stages, PDL, H_STRIDED, the
+fused flags), and ``warmup`` compiles every one the table can pick for a model, before graph capture.
+
+Launch path (host time): a resolved plan is cached per (T bucket, K, H, device), and kernels are launched through
+``backends/_launch.py``: the compiled kernel's handle, cached per compile key, is called directly instead of
+re-binding ~30 arguments through Triton's JIT on every call.
 
 Layouts: ``prefix_sum`` and ``block_residual`` are read in place at any token / block strides (token-major
 [T, C, H] and block-major [C, T, H].transpose(0, 1) views alike); the output is a new contiguous [T, H].
 Unit hidden stride is the fast path. A non-unit hidden stride is handled correctly through the
 ``H_STRIDED`` constexpr (a separate, slower compiled variant, compiled on first use, not by ``warmup``).
-
-Concurrency: the split path's workspace is one per device. Two split-path launches running concurrently on
-two streams of one device would share its counters; serialise such calls (the usual single compute stream
-of a serving engine, and CUDA graphs replayed on it, are fine).
 """
 from __future__ import annotations
 
@@ -38,9 +45,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..kernels import attn_res_decode as _decode
 from ..kernels import attn_res_fwd as _fwd
-from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
-from . import _backward
+from . import _backward, _launch, hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
 from ._fused import FusedArgs as _FusedArgs
 from ._fused import fused_hidden_dims, fused_kernel_args, fused_token_strides, trivial_fused_attn_res
 
@@ -49,13 +56,14 @@ __all__ = [
     "T_BUCKETS",
     "K_BUCKETS",
     "LAUNCH_TABLE",
+    "TOKEN_MAX_T",
     "INTERPRETER_NUM_SMS",
     "bucket",
     "set_launch_config",
     "choose_config",
     "num_sms",
     "use_interpreter",
-    "split_two_launch",
+    "pdl_enabled",
     "attn_res_forward",
     "fused_attn_res",
     "warmup",
@@ -66,10 +74,10 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------------------------------------------
-# Common helpers (shared with the backward / fused launch functions added to this module).
+# Common helpers (shared with the backward / fused launch functions of this module).
 # --------------------------------------------------------------------------------------------------------------
 #: SM count assumed when the kernels run under the Triton interpreter (CPU tensors): an H200's, so the
-#: interpreter exercises the same path choices as the GPU the lead benchmarks on.
+#: interpreter exercises the same path choices as the GPU the benchmarks run on.
 INTERPRETER_NUM_SMS = 132
 
 _properties_cache: dict[int, object] = {}
@@ -97,20 +105,15 @@ def num_sms(device: torch.device) -> int:
     return _properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_NUM_SMS
 
 
-def split_two_launch(t: torch.Tensor) -> bool:
-    """Whether the split path runs as two launches (no spin barrier).
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether forward launches on ``device`` use programmatic dependent launch: a GPU of compute capability 9.0+
+    (not the interpreter), a Triton with ``launch_pdl``, and ``K3_OPS_PDL`` not "0". Read per plan resolution,
+    so changing the variable takes effect for new (T bucket, K, H) plans; ``clear_plan_cache()`` resets all."""
+    if use_interpreter(device) or os.environ.get("K3_OPS_PDL", "1") == "0":
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
 
-    Always under the interpreter (it runs programs one after another, so a spin barrier would hang), and on a
-    GPU when ``K3_OPS_SPLIT_TWO_LAUNCH=1``: the opt-out for deployments that cannot guarantee co-residency of
-    a launch's programs (e.g. SMs partitioned away by MPS/green contexts while the kernel runs)."""
-    return use_interpreter(t) or os.environ.get("K3_OPS_SPLIT_TWO_LAUNCH", "0") == "1"
-
-
-def _device_guard(t: torch.Tensor):
-    # Triton launches on the *current* device; make it the tensors' device.
-    if t.device.type == "cuda":
-        return torch.cuda.device(t.device)
-    return _NullContext()
+    return _properties(device).major >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 class _NullContext:
@@ -121,6 +124,22 @@ class _NullContext:
         return False
 
 
+_NULL_CONTEXT = _NullContext()
+
+
+def _device_guard(t: torch.Tensor):
+    # Triton launches on the *current* device; make it the tensors' device (a no-op context when it already is,
+    # the common case, which costs no device switch).
+    if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NULL_CONTEXT
+
+
+def _stream(t: torch.Tensor) -> int | None:
+    # The raw current stream of the tensors' device (what Triton's driver would look up), or None off-GPU.
+    return torch._C._cuda_getCurrentRawStream(t.device.index) if t.device.type == "cuda" else None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Launch table.
 # --------------------------------------------------------------------------------------------------------------
@@ -128,53 +147,54 @@ class _NullContext:
 class LaunchConfig:
     """One launch-table entry.
 
-    kernel: "rows" or "split".
-    num_warps: warps per program; None derives it from the tile size (see ``_rows_warps`` / ``_split_warps``).
+    kernel: "token", "rows", "split" or "tiles".
+    num_warps: warps per program; None derives it from the tile size.
+    rows_per_tile: token path only, block rows per [ROWS, BLOCK_H] tile (a power of two).
+    num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads.
+    pdl: token and rows paths: programmatic dependent launch; None = ``pdl_enabled(device)``.
     ctas_per_sm: rows path only, persistent programs per SM (the grid is min(T, SMs x ctas_per_sm)).
     tokens_per_prog: tiles path only, tokens handled by one program.
-    chunk: split path only, hidden elements per program (power of two); the policy may double it (up to
-        ``max_chunk``) to keep T * cdiv(H, chunk) co-resident, and falls back to rows if that is impossible.
-    split_ctas_per_sm: split path only, programs per SM assumed co-resident (1 is always safe).
+    chunk: split path only, hidden elements per program (power of two).
     prefetch: rows path only, candidate rows held in registers ahead of the one being reduced (1 or 2), or 0 to
         let Triton's pipeliner stage them in shared memory ``num_stages`` deep.
-    num_stages: rows path with prefetch 0 only.
     maxnreg: register cap per thread (None: the compiler's choice); caps buy occupancy at the risk of spills.
     tile_h: tiles path only (the two-pass [K_PAD, tile_h] kernel also used on Ascend), hidden tile width.
     """
 
     kernel: str = "rows"
     num_warps: int | None = None
+    rows_per_tile: int = 4
+    num_stages: int = 3
+    pdl: bool | None = None
     ctas_per_sm: int = 2
     tokens_per_prog: int = 1
     chunk: int = 512
-    max_chunk: int = 2048
-    split_ctas_per_sm: int = 1
     prefetch: int = 1
-    num_stages: int = 3
     maxnreg: int | None = None
     tile_h: int = 1024
 
     def __post_init__(self):
-        if self.kernel not in ("rows", "split", "tiles"):
-            raise ValueError(f"LaunchConfig.kernel must be 'rows', 'split' or 'tiles', got {self.kernel!r}")
+        if self.kernel not in ("token", "rows", "split", "tiles"):
+            raise ValueError(f"LaunchConfig.kernel must be 'token', 'rows', 'split' or 'tiles', got {self.kernel!r}")
         if self.prefetch not in (0, 1, 2):
             raise ValueError(f"LaunchConfig.prefetch must be 0, 1 or 2, got {self.prefetch}")
-        for name in ("chunk", "max_chunk", "tile_h"):
+        for name in ("chunk", "tile_h"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"LaunchConfig.{name} must be a power of two >= 16, got {v}")
-        if self.ctas_per_sm < 1:
-            raise ValueError(f"LaunchConfig.ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
-        if self.tokens_per_prog < 1:
-            raise ValueError(f"LaunchConfig.tokens_per_prog must be >= 1, got {self.tokens_per_prog}")
-        if self.split_ctas_per_sm < 1:
-            raise ValueError(f"LaunchConfig.split_ctas_per_sm must be >= 1, got {self.split_ctas_per_sm}")
+        if self.rows_per_tile < 1 or self.rows_per_tile & (self.rows_per_tile - 1):
+            raise ValueError(f"LaunchConfig.rows_per_tile must be a power of two >= 1, got {self.rows_per_tile}")
+        for name in ("ctas_per_sm", "tokens_per_prog", "num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LaunchConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
 T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 62)
 K_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 1 << 62)
 #: Split path only while K + 1 fits the [K_PAD, chunk] register tile.
 SPLIT_MAX_CANDIDATES = 16
+#: The token path is the default up to this many tokens, the rows path above (docs/benchmarks.md, "Plain mix").
+TOKEN_MAX_T = 256
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -186,21 +206,14 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
 
 
 def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
-    # Chosen from H200 sweeps (docs/benchmarks.md, "Tuning"). Small T: split H across programs so that more
-    # SMs pull memory for one token (the barrier costs ~2 us, still far less than a row-by-row walk of 9 rows
-    # on one SM). Large T: the persistent rows kernel with 4 warps: its [8192]-wide FP32 accumulator, weight
-    # and current row need ~255 registers per thread, so exactly two 4-warp programs fit an SM; more warps per
-    # program only spread the same registers thinner. The K bucket 16 holds K = 9..16; choose_config still
-    # checks the actual K + 1 <= SPLIT_MAX_CANDIDATES.
-    #
-    # The rows path stages its candidate rows through shared memory (prefetch 0: Triton's pipeliner, cp.async,
-    # 3 stages) rather than holding the next row in registers (prefetch 1). Measured in one H200 run
-    # (docs/benchmarks.md, "Tuning"): 0.919 / 0.826 of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 /
-    # 0.79, within 6 % either way at T = 128..1024. What decides it below 1024 is the fused serving op, which
-    # must use this same plan (bit-exact mix): with prefetch 1 its extra live rows spill ~1 KB per thread
-    # (tools/ptxas_info.py) and it ran 3x slower than the unfused sequence; pipelined, it spills <= 96 bytes.
-    if t_bucket <= 64 and k_bucket <= SPLIT_MAX_CANDIDATES:
-        return LaunchConfig(kernel="split", chunk=512)
+    # Decode sizes: one program per token (no workspace, no barrier), tiles of 4 block rows in flight, 8 warps.
+    # Large T: the persistent rows kernel with 4 warps: its [8192]-wide FP32 accumulator, weight and current row
+    # need ~255 registers per thread, so exactly two 4-warp programs fit an SM. It stages its rows through shared
+    # memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 / 0.826
+    # of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the plan,
+    # spills <= 96 bytes pipelined against ~1 KB with prefetch 1 (tools/ptxas_info.py).
+    if t_bucket <= TOKEN_MAX_T:
+        return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=2)
     return LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2, prefetch=0, num_stages=3)
 
 
@@ -218,6 +231,7 @@ def set_launch_config(t_bucket: int, k_bucket: int, config: LaunchConfig) -> Lau
     with _table_lock:
         old = LAUNCH_TABLE[(t_bucket, k_bucket)]
         LAUNCH_TABLE[(t_bucket, k_bucket)] = config
+        _plan_cache.clear()
     return old
 
 
@@ -236,78 +250,64 @@ class _Plan:
 
     kernel: str
     num_warps: int
-    block_h: int = 0  # rows
+    block_h: int = 0  # token, rows
+    rows_per_tile: int = 0  # token
+    pdl: bool = False  # token, rows
     tokens_per_prog: int = 1  # tiles
     ctas_per_sm: int = 0  # rows
     chunk: int = 0  # split
-    k_pad: int = 0  # split
+    k_pad: int = 0  # split, tiles
     p: int = 0  # split: programs per token
     p_pad: int = 0  # split
     prefetch: int = 1  # rows
-    num_stages: int = 1  # rows with prefetch 0
+    num_stages: int = 1  # token, rows with prefetch 0
     maxnreg: int | None = None
     tile_h: int = 0  # tiles
 
 
+#: Resolved default plans by (T bucket, K, H, device): choose_config's table walk happens once per key.
+_plan_cache: dict[tuple, _Plan] = {}
+
+
+def clear_plan_cache() -> None:
+    """Forget resolved plans (after changing ``K3_OPS_PDL``; ``set_launch_config`` clears it itself)."""
+    with _table_lock:
+        _plan_cache.clear()
+
+
 def choose_config(T: int, K: int, H: int, device: torch.device, config: LaunchConfig | None = None) -> _Plan:
-    """Resolve the launch for a shape: the table entry for (bucket(T), bucket(K)), or ``config`` if given,
-    with the split path's co-residency rule applied (falls back to rows when it cannot hold)."""
+    """Resolve the launch for a shape: the table entry for (bucket(T), bucket(K)), or ``config`` if given."""
     if config is None:
-        config = LAUNCH_TABLE[(bucket(T, T_BUCKETS), bucket(max(K, 1), K_BUCKETS))]
+        key = (bucket(T, T_BUCKETS), K, H, device)
+        plan = _plan_cache.get(key)
+        if plan is None:
+            plan = _plan_cache[key] = _resolve(K, H, device, LAUNCH_TABLE[(key[0], bucket(max(K, 1), K_BUCKETS))])
+        return plan
+    return _resolve(K, H, device, config)
+
+
+def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Plan:
+    block_h = next_power_of_2(H)
+    if config.kernel == "token":
+        pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
+        return _Plan("token", config.num_warps or _rows_warps(block_h), block_h=block_h,
+                     rows_per_tile=config.rows_per_tile, pdl=pdl, num_stages=config.num_stages,
+                     maxnreg=config.maxnreg)
     if config.kernel == "split" and K + 1 <= SPLIT_MAX_CANDIDATES:
         k_pad = next_power_of_2(K + 1)
-        budget = num_sms(device) * config.split_ctas_per_sm
-        chunk = min(config.chunk, next_power_of_2(H))
-        while T * triton.cdiv(H, chunk) > budget and chunk < min(config.max_chunk, next_power_of_2(H)):
-            chunk *= 2
+        chunk = min(config.chunk, block_h)
         p = triton.cdiv(H, chunk)
-        if T * p <= budget:
-            return _Plan("split", config.num_warps or _split_warps(k_pad, chunk), chunk=chunk, k_pad=k_pad, p=p,
-                         p_pad=next_power_of_2(p), maxnreg=config.maxnreg)
+        return _Plan("split", config.num_warps or _split_warps(k_pad, chunk), chunk=chunk, k_pad=k_pad, p=p,
+                     p_pad=next_power_of_2(p), maxnreg=config.maxnreg)
     if config.kernel == "tiles":
         k_pad = next_power_of_2(K + 1)
-        tile_h = min(config.tile_h, next_power_of_2(H))
+        tile_h = min(config.tile_h, block_h)
         return _Plan("tiles", config.num_warps or _split_warps(k_pad, tile_h), k_pad=k_pad, tile_h=tile_h,
                      tokens_per_prog=config.tokens_per_prog, maxnreg=config.maxnreg)
-    block_h = next_power_of_2(H)
-    return _Plan("rows", config.num_warps or _rows_warps(block_h), block_h=block_h,
+    pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
+    return _Plan("rows", config.num_warps or _rows_warps(block_h), block_h=block_h, pdl=pdl,
                  ctas_per_sm=config.ctas_per_sm, prefetch=config.prefetch,
                  num_stages=config.num_stages if config.prefetch == 0 else 1, maxnreg=config.maxnreg)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Split-path workspace: allocated once per device (warmup allocates it, so graph capture never does).
-# --------------------------------------------------------------------------------------------------------------
-class _Workspace:
-    def __init__(self, device: torch.device, tokens: int, floats_per_token: int):
-        self.tokens = tokens
-        self.floats_per_token = floats_per_token
-        # Counters start at zero once; the one-launch kernel returns them to zero itself.
-        self.counters = torch.zeros(2 * tokens, dtype=torch.int32, device=device)
-        # FP64 partials whatever the I/O dtype (no rounding between chunks; a few KB).
-        self.partials = torch.empty(tokens * floats_per_token, dtype=torch.float64, device=device)
-
-
-_workspaces: dict[torch.device, _Workspace] = {}
-_ws_lock = threading.Lock()
-
-
-def _workspace(device: torch.device, tokens: int, floats_per_token: int) -> _Workspace:
-    key = torch.device(device.type, device.index if device.index is not None or device.type != "cuda"
-                       else torch.cuda.current_device())
-    ws = _workspaces.get(key)
-    if ws is not None and ws.tokens >= tokens and ws.floats_per_token >= floats_per_token:
-        return ws
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"attn_res split-path workspace on {key} is too small for {tokens} tokens x "
-                           f"{floats_per_token} values and cannot be allocated during CUDA-graph capture; call "
-                           "k3_ops.warmup(hidden_size, dtype) for this model before capturing")
-    with _ws_lock:
-        old = _workspaces.get(key)
-        tokens = max(tokens, old.tokens if old else 0, num_sms(device) * 4)
-        floats_per_token = max(floats_per_token, old.floats_per_token if old else 0)
-        ws = _workspaces[key] = _Workspace(key, tokens, floats_per_token)
-    return ws
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -346,64 +346,72 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
                                         out.stride(0), *fused_token_strides(fused)))
     # fp32 I/O scores in FP64 (see kernels/attn_res_fwd.py, _stats): part of the compile key via the dtype.
     acc64 = prefix_sum.dtype == torch.float32
-    strides = (prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
-               block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec)
+    args = (prefix_sum, block_residual, nw, pw, out, T, K, H, eps,
+            prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
+            block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec)
+    interpreted = use_interpreter(prefix_sum)
     # A register cap is a compile option of the GPU backend only (the interpreter takes no such option).
-    regs = {"maxnreg": plan.maxnreg} if plan.maxnreg and not use_interpreter(prefix_sum) else {}
-    # Fused serving variant: the same kernels with their fused constexpr flags (nothing extra when None).
-    regs.update(fused_kernel_args(fused, vec))
+    options = {"maxnreg": plan.maxnreg} if plan.maxnreg and not interpreted else {}
+    # Fused serving variant: the same kernels with their fused arguments (runtime) and flags (constexpr).
+    runtime, flags = {}, {}
+    for name, value in fused_kernel_args(fused, vec).items():
+        (flags if name.isupper() else runtime)[name] = value
+    key = (plan, H, vec, h_strided, tuple(flags.values()))
+    stream = _stream(prefix_sum)
     with _device_guard(prefix_sum):
-        if plan.kernel == "rows":
+        if plan.kernel in ("token", "rows"):
+            if plan.pdl:
+                options["launch_pdl"] = True
+            if plan.kernel == "token":
+                constexprs = dict(BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile, VEC=vec, H_STRIDED=h_strided,
+                                  ACC64=acc64, NUM_STAGES=plan.num_stages, USE_PDL=plan.pdl,
+                                  num_warps=plan.num_warps, **flags, **options)
+                _launch.launch(_decode.attn_res_token_kernel, (T,), args, runtime, constexprs, key,
+                               interpreted=interpreted, stream=stream)
+                return
+            constexprs = dict(BLOCK_H=plan.block_h, VEC=vec, H_STRIDED=h_strided, ACC64=acc64,
+                              PREFETCH=plan.prefetch, NUM_STAGES=plan.num_stages, USE_PDL=plan.pdl,
+                              num_warps=plan.num_warps, **flags, **options)
             grid = (min(T, num_sms(prefix_sum.device) * plan.ctas_per_sm),)
-            _fwd.attn_res_rows_kernel[grid](
-                prefix_sum, block_residual, nw, pw, out, T, K, H, eps, *strides,
-                BLOCK_H=plan.block_h, VEC=vec, H_STRIDED=h_strided,
-                ACC64=acc64, PREFETCH=plan.prefetch, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps, **regs)
+            _launch.launch(_fwd.attn_res_rows_kernel, grid, args, runtime, constexprs, key, interpreted=interpreted,
+                           stream=stream)
             return
         if plan.kernel == "tiles":
             # The Ascend kernel's algorithm on CUDA: per token, pass 1 reads [K_PAD, tile_h] tiles of all
             # candidates at once (statistics), pass 2 re-reads them (L1/L2 hits) for the output.
             grid = (triton.cdiv(T, plan.tokens_per_prog),)
             _fwd.attn_res_npu_kernel[grid](
-                prefix_sum, block_residual, nw, pw, out, T, K, H, eps, plan.tokens_per_prog, *strides,
+                *args[:9], plan.tokens_per_prog, *args[9:],
                 BLOCK_H=plan.tile_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, COMPENSATED=acc64,
-                num_warps=plan.num_warps, **regs)
+                num_warps=plan.num_warps, **fused_kernel_args(fused, vec), **options)
             return
         out_norm = fused is not None and fused.out_norm_weight is not None
-        # OUT_NORM: one more FP64 per chunk per token, the partial sum of squares of the rounded mix.
-        ws = _workspace(prefix_sum.device, T, plan.p_pad * (2 * plan.k_pad + int(out_norm)))
+        # The partials of this call (FP64 per chunk and candidate; with OUT_NORM one more per chunk, the partial
+        # sum of squares of the rounded mix): a fresh buffer, so concurrent calls never share one.
+        partials = torch.empty(T * plan.p_pad * (2 * plan.k_pad + int(out_norm)), dtype=torch.float64,
+                               device=prefix_sum.device)
         grid = (plan.p, T)
         common = dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, VEC=vec, H_STRIDED=h_strided,
-                      ACC64=acc64, num_warps=plan.num_warps, **regs)
-        args = (prefix_sum, block_residual, nw, pw, out, ws.partials, ws.counters, T, K, H, eps, *strides)
-        if split_two_launch(prefix_sum):
-            _fwd.attn_res_split_kernel[grid](*args, PHASE=1, **common)
-            _fwd.attn_res_split_kernel[grid](*args, PHASE=2, **common)
-            if out_norm:
-                _fwd.attn_res_split_kernel[grid](*args, PHASE=3, **common)
-        else:
-            _fwd.attn_res_split_kernel[grid](*args, PHASE=0, **common)
+                      ACC64=acc64, num_warps=plan.num_warps, **fused_kernel_args(fused, vec), **options)
+        split_args = (*args[:5], partials, *args[5:])
+        _fwd.attn_res_split_kernel[grid](*split_args, PHASE=1, **common)
+        _fwd.attn_res_split_kernel[grid](*split_args, PHASE=2, **common)
+        if out_norm:
+            _fwd.attn_res_split_kernel[grid](*split_args, PHASE=3, **common)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Warm-up: compile every key the table can pick, allocate the workspace (before CUDA-graph capture).
+# Warm-up: compile every key the table can pick (before CUDA-graph capture).
 # --------------------------------------------------------------------------------------------------------------
 def _warmup_plans(device: torch.device, H: int, max_num_valid_blocks: int,
                   max_num_tokens: int) -> dict[_Plan, tuple[int, int]]:
-    """Every distinct plan (compile key) the table picks for T in 1..max_num_tokens and K in 1..max K, each
-    with an example (T, K): the largest T for split plans (it sizes the workspace), the smallest otherwise."""
-    with _table_lock:
-        ctas = max(cfg.split_ctas_per_sm for cfg in LAUNCH_TABLE.values())
-    # A split plan needs T * P <= SMs * ctas; past that only the bucket bounds can change the plan.
-    ts = set(range(1, min(max_num_tokens, num_sms(device) * ctas) + 1))
-    ts.update(b for b in T_BUCKETS if b <= max_num_tokens)
-    ts.add(max_num_tokens)
+    """Every distinct plan (compile key) the table picks for T in 1..max_num_tokens and K in 1..max K, each with
+    its smallest example (T, K). Plans depend on T only through its bucket."""
+    ts = sorted({min(b, max_num_tokens) for b in T_BUCKETS})
     plans: dict[_Plan, tuple[int, int]] = {}
     for K in range(1, max_num_valid_blocks + 1):
-        for T in sorted(ts):
-            plan = choose_config(T, K, H, device)
-            if plan not in plans or (plan.kernel == "split" and plans[plan][0] < T):
-                plans[plan] = (T, K)
+        for T in ts:
+            plans.setdefault(choose_config(T, K, H, device), (T, K))
     return plans
 
 
@@ -412,15 +420,14 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
     """Compile every launch-table key for one model before CUDA-graph capture; returns the number of plans run.
 
     Each distinct plan (compile key) that the table can pick for T in 1..max_num_tokens and K in
-    1..max_num_valid_blocks runs once on a small zero-filled token-major problem, which compiles it and also
-    allocates the split-path workspace (at its largest size). Buffers whose token / block strides are
-    multiples of 16 bytes (every token-major or block-major buffer when H * itemsize is) share these kernels.
-    fp64 runs the reference: nothing to compile. Re-run after changing ``LAUNCH_TABLE`` or
-    ``K3_OPS_SPLIT_TWO_LAUNCH``.
+    1..max_num_valid_blocks runs once on a small zero-filled token-major problem, which compiles it and caches its
+    launch handle. Buffers whose token / block strides are multiples of 16 bytes (every token-major or block-major
+    buffer when H * itemsize is) share these kernels. fp64 runs the reference: nothing to compile. Re-run after
+    changing ``LAUNCH_TABLE`` or ``K3_OPS_PDL``.
 
     ``fused=True`` also compiles each plan's fused_attn_res variants that a Kimi K3 decoder layer uses (residual
-    addend and output RMSNorm, with and without the block snapshot) and sizes the workspace for the output
-    norm's extra barrier round. Other flag combinations compile on first use, outside capture.
+    addend and output RMSNorm, with and without the block snapshot). Other flag combinations compile on first use,
+    outside capture.
     """
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return 0
@@ -449,7 +456,7 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Fused serving variant (issue 6).
+# Fused serving variant.
 # --------------------------------------------------------------------------------------------------------------
 def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
                    norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
@@ -460,9 +467,8 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
     ``block_residual[:, block_write_idx]`` when ``block_write_idx >= 0``, nothing else.
 
     The forward's launch plan for (T, K) with the kernels' fused flags (kernels/attn_res_fwd.py): the add,
-    the new_prefix and snapshot stores and the RMSNorm epilogue happen inside the mix kernel. One launch on
-    the rows path and on the split path without ``out_norm_weight``; with it, the split path's single launch
-    runs a second barrier round (two-launch mode, ``split_two_launch``: three launches). Same plan and
+    the new_prefix and snapshot stores and the RMSNorm epilogue happen inside the mix kernel, in one launch on
+    the token and rows paths (the opt-in split path takes two, three with the output norm). Same plan and
     arithmetic as ``attn_res_forward`` for the same T and K, so ``out`` equals it bit for bit without the norm.
     fp64 and T = 0 run the reference composition (no kernel).
     """
@@ -481,7 +487,7 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Backward (issue 5): kimi_k3::attn_res_backward. Kernels in k3_ops.kernels.attn_res_bwd; the device-independent
+# Backward: kimi_k3::attn_res_backward. Kernels in k3_ops.kernels.attn_res_bwd; the device-independent
 # part of the launch (trivial cases, allocation, strides) lives in backends/_backward.py, shared with npu.py.
 # --------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)

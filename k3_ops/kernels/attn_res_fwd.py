@@ -9,9 +9,10 @@ Three kernels share the helpers below:
   rows of its tokens as one sequence through a [BLOCK_H] hidden tile with an online softmax (a RUN-time loop,
   any K); each candidate row is read exactly once, software-pipelined by hand (rows i + 1 .. i + PREFETCH are
   in flight while row i is reduced), across token boundaries.
-- ``attn_res_split_kernel`` (CUDA, small T): H split across P = cdiv(H, CHUNK) programs per token, each
-  holding a [K_PAD, CHUNK] tile of all candidates; partial (ss, d) go through a small fp32 workspace and a
-  per-token, self-resetting spin barrier (PHASE 0) or through two launches (PHASE 1 then PHASE 2).
+- ``attn_res_split_kernel`` (CUDA, opt-in): H split across P = cdiv(H, CHUNK) programs per token, each
+  holding a [K_PAD, CHUNK] tile of all candidates; partial (ss, d) go through a per-call FP64 buffer between
+  two launches (PHASE 1 then PHASE 2).
+- ``attn_res_token_kernel`` (CUDA, decode sizes) lives in attn_res_decode.py and shares these helpers.
 - ``attn_res_npu_kernel`` (Ascend, triton-ascend): one program per vector core walking a contiguous token
   range; [K_PAD, BLOCK_H] tiles; two passes over H per token (statistics, then output).
 
@@ -112,6 +113,23 @@ def _store_out(out_ptr, t, cols, mask, value, stride_ot, VEC: tl.constexpr):
     # The one place output is written: a contiguous [T, H] row of the output dtype.
     ptrs = out_ptr + tl.cast(t, tl.int64) * (stride_ot * VEC) + cols
     tl.store(ptrs, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gdc_wait_if(USE_PDL: tl.constexpr):
+    # Programmatic dependent launch (sm_90+): block until the preceding kernel in the stream has completed and its
+    # writes are visible. A PDL kernel reads no input before this point. Not emitted without PDL (the
+    # interpreter cannot run inline PTX).
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def gdc_launch_dependents_if(USE_PDL: tl.constexpr):
+    # Let the next PDL launch's programs be scheduled now: they wait in their own gdc_wait_if, so this only hides
+    # their launch latency behind this kernel's work.
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -240,7 +258,7 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
                          PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
                          addend_ptr=None, newp_ptr=None, onw_ptr=None, stride_at=0, stride_ah=0, stride_nt=0,
                          write_idx=0, out_eps=1.0, HAS_ADDEND: tl.constexpr = False, FUSED: tl.constexpr = False,
-                         SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False):
+                         SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     # Persistent: program pid handles tokens pid, pid + nprog, ... as ONE continuous stream of candidate rows
     # (token-major, K + 1 rows per token), so the prefetch runs across token boundaries and the memory system
     # never waits for a new token to start; the folded weight is loaded once per program, not once per token.
@@ -253,6 +271,9 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     hmask = cols < H
+    # PDL: any input may come from the preceding kernel, so nothing is read before the wait.
+    gdc_wait_if(USE_PDL)
+    gdc_launch_dependents_if(USE_PDL)
     w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
     steps = ((T - pid + nprog - 1) // nprog) * (K + 1)
     m = _acc_full([], -float("inf"), ACC64)
@@ -310,7 +331,7 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
 
 
 # --------------------------------------------------------------------------------------------------------------
-# CUDA, small T: split kernel (H split across programs; per-token barrier or two launches).
+# CUDA, opt-in: split kernel (H split across programs, two launches).
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _load_candidate_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
@@ -325,21 +346,6 @@ def _load_candidate_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride
 
 
 @triton.jit
-def _token_barrier(cnt_ptr, gen_ptr, gen):
-    # One more round of the per-token generation barrier below (same protocol): generation gen -> gen + 1.
-    tl.debug_barrier()
-    old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if old == tl.num_programs(0) - 1:
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(gen_ptr, gen + 1, sem="release", scope="gpu")
-    else:
-        cur = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
-        while cur == gen:
-            cur = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
 def _split_norm_scale(norm_base, P, H, out_eps, P_PAD: tl.constexpr):
     # Sum of squares of the token's rounded mix from its P chunk partials, in a fixed order (deterministic, and
     # every chunk applies the same scale).
@@ -349,20 +355,20 @@ def _split_norm_scale(norm_base, P, H, out_eps, P_PAD: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + _FUSED_INTS)
-def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, partials_ptr, counters_ptr, T, K, H, eps,
+def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, partials_ptr, T, K, H, eps,
                           stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
                           CHUNK: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, VEC: tl.constexpr,
                           H_STRIDED: tl.constexpr, ACC64: tl.constexpr, PHASE: tl.constexpr,
                           addend_ptr=None, newp_ptr=None, onw_ptr=None, stride_at=0, stride_ah=0, stride_nt=0,
                           write_idx=0, out_eps=1.0, HAS_ADDEND: tl.constexpr = False, FUSED: tl.constexpr = False,
                           SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False):
-    # Grid (P, T): program (c, t) owns hidden chunk c of token t. Workspace per token t:
+    # Grid (P, T): program (c, t) owns hidden chunk c of token t. Launched twice (PHASE 1: partials, PHASE 2:
+    # combine + output), the partials in a buffer of the call's own:
     #   partials[t, c, 0, :K_PAD] = partial sum(v^2), partials[t, c, 1, :K_PAD] = partial <v, w>   (FP64)
     #   with OUT_NORM also partials[t, P_PAD * 2 * K_PAD + c] = partial sum(round(mix)^2) of chunk c
-    #   counters[2 t] = arrivals (0 between launches), counters[2 t + 1] = generation (PHASE 0 only).
     # Fused: each program adds/writes only its own chunk of new_prefix (and of the snapshot). OUT_NORM needs the
-    # whole row's sum of squares: PHASE 0 runs a second barrier round; two-launch mode (PHASE 1, 2) writes the
-    # rounded mix and a third launch (PHASE 3) normalises it in place.
+    # whole row's sum of squares: PHASE 2 writes the rounded mix and a third launch (PHASE 3) normalises it in
+    # place.
     c = tl.program_id(0)
     t = tl.program_id(1)
     P = tl.num_programs(0)
@@ -374,19 +380,12 @@ def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, parti
         part_base = partials_ptr + tl.cast(t, tl.int64) * (P_PAD * (2 * K_PAD + 1))
     else:
         part_base = partials_ptr + tl.cast(t, tl.int64) * (P_PAD * 2 * K_PAD)
-    cnt_ptr = counters_ptr + 2 * t
-    gen_ptr = cnt_ptr + 1
     if PHASE == 3:
         # Fused OUT_NORM, two-launch mode: out holds the rounded mix; scale it in place.
         x = tl.load(out_ptr + tl.cast(t, tl.int64) * (stride_ot * VEC) + cols, mask=hmask, other=0.0).to(tl.float32)
         scale = _split_norm_scale(part_base + P_PAD * 2 * K_PAD, P, H, out_eps, P_PAD)
         _store_out(out_ptr, t, cols, hmask, _apply_out_norm(x, scale, onw_ptr, cols, hmask), stride_ot, VEC)
         return
-    if PHASE == 0:
-        # This launch's generation, read before arriving (nobody can bump it before every program arrived);
-        # issued first so its latency hides behind the tile loads.
-        gen0 = tl.load(gen_ptr, volatile=True)
-
     x = _load_candidate_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
                              stride_bc, stride_bh, VEC, H_STRIDED).to(tl.float32)
     if FUSED:
@@ -405,23 +404,6 @@ def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, parti
         # The workspace is FP64 whatever the I/O dtype (a few hundred bytes): no rounding between chunks.
         tl.store(part_base + c * (2 * K_PAD) + kp, ss_part.to(tl.float64))
         tl.store(part_base + c * (2 * K_PAD) + K_PAD + kp, d_part.to(tl.float64))
-    if PHASE == 0:
-        # Per-token barrier with a generation word (sense reversal): every program adds 1 to the arrival count;
-        # the last to arrive resets the count and bumps the generation; the others spin (acquire) until the
-        # generation moves. The words end each launch ready for the next one, so CUDA-graph replays need no
-        # host-side reset, and no second "exit" round trip is needed. Ordering: all threads' partial stores
-        # precede thread 0's gpu-scope acq_rel arrival (CTA barrier first); the last arriver's acquire sees
-        # every partial and its release of the generation publishes them to the spinners.
-        tl.debug_barrier()
-        old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        if old == P - 1:
-            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(gen_ptr, gen0 + 1, sem="release", scope="gpu")
-        else:
-            cur = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
-            while cur == gen0:
-                cur = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()
     if PHASE != 1:
         # Every program sums the P partials of its token in the same fixed order, so all chunks see identical
         # statistics (deterministic). ".cg" reads bypass L1: the data was written by other SMs just now.
@@ -442,13 +424,7 @@ def attn_res_split_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, parti
             if OUT_NORM:
                 xm = tl.where(hmask, _round_mix(mix, out_ptr), 0.0)
                 tl.store(part_base + P_PAD * 2 * K_PAD + c, tl.sum(xm * xm, axis=0).to(tl.float64))
-                if PHASE == 0:
-                    # Second round of the barrier (generation gen0 + 1 -> gen0 + 2): every chunk's partial is in.
-                    _token_barrier(cnt_ptr, gen_ptr, gen0 + 1)
-                    scale = _split_norm_scale(part_base + P_PAD * 2 * K_PAD, P, H, out_eps, P_PAD)
-                    mix = _apply_out_norm(xm, scale, onw_ptr, cols, hmask)
-                else:
-                    mix = xm  # PHASE 3 scales it
+                mix = xm  # PHASE 3 scales it
             _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)
         else:
             _store_out(out_ptr, t, cols, hmask, tl.sum(p[:, None] * x, axis=0), stride_ot, VEC)

@@ -1,0 +1,81 @@
+"""Decode-size forward kernel of kimi_k3::attn_res and fused_attn_res (@triton.jit code only).
+
+``attn_res_token_kernel``: one program per token, no workspace and no cross-program communication, so any
+number of launches may run at once on any streams (and graphs replayed concurrently) without sharing mutable
+state. Per token it streams the K valid block rows as [ROWS, BLOCK_H] tiles (ROWS a power of two, a runtime
+loop over cdiv(K, ROWS) tiles, software-pipelined by Triton ``NUM_STAGES`` deep) through an online softmax and
+folds in the prefix candidate last; each candidate row is read exactly once, each output row written once.
+
+Why tiles of several rows: a decode token is one program's work, so what bounds it is how many bytes one SM has
+in flight. A tile of ROWS rows puts ROWS rows' loads in flight at once and reduces all their statistics in one
+cross-warp reduction (one shared-memory round per tile, not one per row).
+
+The prefix candidate (and with HAS_ADDEND its addend) is loaded right after the dependency wait, before the
+tiles, so its latency hides behind theirs; it is scored separately (a [BLOCK_H] row) and its row, in the I/O
+dtype, is exactly what the fused epilogue stores as new_prefix and the snapshot.
+
+Programmatic dependent launch (``USE_PDL``, sm_90+): nothing is read before ``gdc_wait``, which returns only
+once the preceding kernel in the stream has completed and its writes are visible (the weights too: they are read
+from L2 beside the rows, so waiting for them costs no extra round trip). ``gdc_launch_dependents`` right after
+the wait lets the next launch's programs be scheduled (they then wait in their own ``gdc_wait``), which hides the
+launch latency of a captured chain. With USE_PDL False neither instruction is emitted (the interpreter and
+pre-Hopper GPUs).
+
+Recompile safety: T, K, every stride and write_idx are runtime arguments in ``do_not_specialize``; the compile
+key is (dtype, BLOCK_H, ROWS, VEC, H_STRIDED, ACC64, NUM_STAGES, USE_PDL, the fused flags, num_warps).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attn_res_fwd import (_FUSED_INTS, _RUNTIME_INTS, _acc_full, _add_addend, _block_row_ptrs, _fused_epilogue,
+                           _load_folded_weight, _online_update, _prefix_row_ptrs, _score, _stats, _store_out,
+                           gdc_launch_dependents_if, gdc_wait_if)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + _FUSED_INTS)
+def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H, eps,
+                          stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
+                          BLOCK_H: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
+                          ACC64: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+                          addend_ptr=None, newp_ptr=None, onw_ptr=None, stride_at=0, stride_ah=0, stride_nt=0,
+                          write_idx=0, out_eps=1.0, HAS_ADDEND: tl.constexpr = False, FUSED: tl.constexpr = False,
+                          SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False):
+    t = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    gdc_wait_if(USE_PDL)
+    gdc_launch_dependents_if(USE_PDL)
+    w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
+    # The prefix candidate first (new_prefix with an addend): its loads overlap the tiles'.
+    v = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask, other=0.0)
+    if HAS_ADDEND:
+        v = _add_addend(v, addend_ptr, t, cols, hmask, stride_at, stride_ah, VEC, H_STRIDED)
+    r = tl.arange(0, ROWS)
+    m = _acc_full([], -float("inf"), ACC64)
+    l = _acc_full([], 0.0, ACC64)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.range(0, tl.cdiv(K, ROWS), num_stages=NUM_STAGES):
+        i = j * ROWS + r
+        # Rows >= K are masked lanes: never addressed, so NaN-filled capacity is never read.
+        rmask = tl.where(hmask[None, :], (i < K)[:, None], False)
+        x = tl.load(_block_row_ptrs(blocks_ptr, t, i[:, None], cols[None, :], stride_bt, stride_bc, stride_bh, VEC,
+                                    H_STRIDED), mask=rmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        # The online softmax of _online_update, for ROWS rows at once (one cross-warp reduction per tile).
+        ss, d = _stats(x, w[None, :], 1, ACC64)
+        s = tl.where(i < K, _score(ss, d, H, eps, ACC64), -float("inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        acc = acc * alpha.to(tl.float32) + tl.sum(p.to(tl.float32)[:, None] * x, axis=0)
+        l = l * alpha + tl.sum(p, axis=0)
+        m = m_new
+    # The prefix candidate, last.
+    m, l, acc = _online_update(v.to(tl.float32), w, m, l, acc, H, eps, ACC64)
+    mix = acc / l.to(tl.float32)
+    if FUSED:
+        _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, t, cols, hmask, mix, v, K, H, out_eps, stride_ot,
+                        stride_nt, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT, OUT_NORM)
+    else:
+        _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)
