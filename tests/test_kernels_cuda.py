@@ -86,7 +86,7 @@ def test_accuracy_contract_default_table(sample):
 PATHS = {
     "token": dict(kernel="token"),  # the decode default: 4-row tiles, PDL where the GPU has it
     "token-1row-nopdl": dict(kernel="token", rows_per_tile=1, num_stages=1, pdl=False),
-    "token-8row": dict(kernel="token", rows_per_tile=8, num_warps=16),
+    "token-8row": dict(kernel="token", rows_per_tile=8, num_warps=16, num_stages=1),
     "rows": dict(kernel="rows"),  # rows held in registers, one prefetched
     "rows-pipelined": dict(kernel="rows", prefetch=0, num_stages=4),  # cp.async stages in shared memory
     "rows-pipelined-8w": dict(kernel="rows", prefetch=0, num_stages=8, num_warps=8, ctas_per_sm=1),

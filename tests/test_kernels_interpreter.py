@@ -216,8 +216,9 @@ def test_cuda_launch_table_overrides():
     plan = cuda.choose_config(18, 4, 7168, torch.device("cpu"), cuda.LaunchConfig(kernel="split", chunk=512))
     assert (plan.kernel, plan.chunk, plan.p, plan.k_pad) == ("split", 512, 14, 8)
     # Decode sizes take the per-token kernel, large T the rows kernel; PDL never under the interpreter.
-    plan = cuda.choose_config(cuda.TOKEN_MAX_T, 8, 7168, torch.device("cpu"))
+    plan = cuda.choose_config(64, 8, 7168, torch.device("cpu"))
     assert (plan.kernel, plan.rows_per_tile, plan.pdl) == ("token", 4, False)
+    assert cuda.choose_config(cuda.TOKEN_MAX_T, 8, 7168, torch.device("cpu")).rows_per_tile == 1
     assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 8, 7168, torch.device("cpu")).kernel == "rows"
     with pytest.raises(ValueError, match=r"LaunchConfig.rows_per_tile must be a power of two >= 1, got 3"):
         cuda.LaunchConfig(kernel="token", rows_per_tile=3)

@@ -21,6 +21,7 @@ results, only the host time differs.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,6 +66,14 @@ class _Compiled:
             self.defaults[self.index[name]] = None
 
 
+def _hooked(hook) -> bool:
+    # A launch hook is set: a callable, or a non-empty chain (Triton >= 3.4 keeps an always-present HookChain).
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
 def _arg_key(value) -> Any:
     # What Triton specialises a tensor argument on: dtype and 16-byte alignment; None is its own case.
     if value is None:
@@ -74,32 +83,36 @@ def _arg_key(value) -> Any:
     return type(value)
 
 
-def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any], constexprs: dict[str, Any],
-           key: tuple, *, interpreted: bool, stream: int | None = None) -> None:
-    """Launch ``kernel[grid](*args, **kwargs, **constexprs)``.
+def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any], key: tuple,
+           constexprs: Callable[[], dict[str, Any]], *, ntensors: int, interpreted: bool,
+           stream: int | None = None) -> None:
+    """Launch ``kernel[grid](*args, **kwargs, **constexprs())``.
 
-    args: the leading positional arguments. kwargs: further runtime arguments by name (tensors or None, ints,
-    floats). constexprs: compile-time arguments and launch options (num_warps, ...), the same for every call of
-    one ``key``. key: a hashable tuple that, with the tensors' dtypes and alignments, identifies the compiled
-    variant (the plan's compile key plus any specialised int such as H). interpreted: run through the JIT
-    every time (the Triton interpreter). stream: the raw stream to launch on (CUDA: the current stream of the
-    tensors' device); None asks Triton's driver.
+    args: the leading positional arguments, of which the first ``ntensors`` are tensors (the others ints and
+    floats, never specialised by these kernels). kwargs: further runtime arguments by name (tensors or None, ints,
+    floats). key: a hashable tuple identifying the compile-time configuration (the plan's compile key plus any
+    specialised int such as H); with the tensors' dtypes and alignments it identifies the compiled variant.
+    constexprs: builds the compile-time arguments and launch options (num_warps, ...) for ``key``; called only
+    when the variant is not cached yet (or under the interpreter). interpreted: run through the JIT every time
+    (the Triton interpreter). stream: the raw stream to launch on (CUDA: the current stream of the tensors'
+    device); None asks Triton's driver.
     """
     if interpreted or not direct_launch_supported():
-        kernel[grid](*args, **kwargs, **constexprs)
+        kernel[grid](*args, **kwargs, **constexprs())
         return
-    full_key = (id(kernel), key, tuple(map(_arg_key, args)), tuple((k, _arg_key(v)) for k, v in kwargs.items()))
+    full_key = (id(kernel), key, *[(a.dtype, a.data_ptr() % 16 == 0) for a in args[:ntensors]],
+                *[(k, _arg_key(v)) for k, v in kwargs.items()])
     entry = _cache.get(full_key)
     if entry is None:
-        compiled = kernel[grid](*args, **kwargs, **constexprs)
+        compiled = kernel[grid](*args, **kwargs, **constexprs())
         if hasattr(compiled, "function") and hasattr(kernel, "params"):  # a JITFunction's CompiledKernel
             with _lock:
-                _cache[full_key] = _Compiled(kernel, compiled, constexprs, kwargs)
+                _cache[full_key] = _Compiled(kernel, compiled, constexprs(), kwargs)
         return
     knobs = entry.knobs
-    if knobs.launch_enter_hook is not None or knobs.launch_exit_hook is not None:
+    if _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook):
         # A profiler's hooks want Triton's launch metadata: let the JIT build it.
-        kernel[grid](*args, **kwargs, **constexprs)
+        kernel[grid](*args, **kwargs, **constexprs())
         return
     values = list(args)
     values.extend(entry.defaults[len(args):])
@@ -112,10 +125,8 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any], c
 
         device = triton.runtime.driver.active.get_current_device()
         stream = triton.runtime.driver.active.get_current_stream(device)
-    gx = grid[0]
-    gy = grid[1] if len(grid) > 1 else 1
-    gz = grid[2] if len(grid) > 2 else 1
-    entry.run(gx, gy, gz, stream, entry.function, entry.packed, None, None, None, *values)
+    entry.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, entry.function,
+              entry.packed, None, None, None, *values)
 
 
 def cache_size() -> int:

@@ -206,14 +206,18 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
 
 
 def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
-    # Decode sizes: one program per token (no workspace, no barrier), tiles of 4 block rows in flight, 8 warps.
+    # Decode sizes: one program per token (no workspace, no barrier). Up to 64 tokens, tiles of 4 block rows with
+    # 8 warps (one row at a time for K = 1); from 128 tokens, when several programs share an SM, one row at a
+    # time with 4 warps and 3 stages. H200 figures: docs/benchmarks.md, "Plain mix".
     # Large T: the persistent rows kernel with 4 warps: its [8192]-wide FP32 accumulator, weight and current row
     # need ~255 registers per thread, so exactly two 4-warp programs fit an SM. It stages its rows through shared
     # memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 / 0.826
     # of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the plan,
     # spills <= 96 bytes pipelined against ~1 KB with prefetch 1 (tools/ptxas_info.py).
-    if t_bucket <= TOKEN_MAX_T:
+    if t_bucket <= 64 and k_bucket > 1:
         return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=2)
+    if t_bucket <= TOKEN_MAX_T:
+        return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3)
     return LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2, prefetch=0, num_stages=3)
 
 
@@ -341,63 +345,66 @@ def attn_res_forward(prefix_sum: torch.Tensor, block_residual: torch.Tensor, nor
 def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int, eps: float,
                     fused: _FusedArgs | None = None) -> None:
     T, H = prefix_sum.shape
+    ps_t, ps_h = prefix_sum.stride()
+    bs_t, bs_c, bs_h = block_residual.stride()
+    os_t = out.stride(0)
     h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2), *fused_hidden_dims(fused))
-    vec = stride_vec(prefix_sum.dtype, (prefix_sum.stride(0), block_residual.stride(0), block_residual.stride(1),
-                                        out.stride(0), *fused_token_strides(fused)))
-    # fp32 I/O scores in FP64 (see kernels/attn_res_fwd.py, _stats): part of the compile key via the dtype.
-    acc64 = prefix_sum.dtype == torch.float32
+    vec = stride_vec(prefix_sum.dtype, (ps_t, bs_t, bs_c, os_t, *fused_token_strides(fused)))
     args = (prefix_sum, block_residual, nw, pw, out, T, K, H, eps,
-            prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
-            block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec)
+            ps_t // vec, ps_h, bs_t // vec, bs_c // vec, bs_h, os_t // vec)
     interpreted = use_interpreter(prefix_sum)
-    # A register cap is a compile option of the GPU backend only (the interpreter takes no such option).
-    options = {"maxnreg": plan.maxnreg} if plan.maxnreg and not interpreted else {}
     # Fused serving variant: the same kernels with their fused arguments (runtime) and flags (constexpr).
     runtime, flags = {}, {}
-    for name, value in fused_kernel_args(fused, vec).items():
-        (flags if name.isupper() else runtime)[name] = value
-    key = (plan, H, vec, h_strided, tuple(flags.values()))
+    if fused is not None:
+        for name, value in fused_kernel_args(fused, vec).items():
+            (flags if name.isupper() else runtime)[name] = value
+    key = (plan, H, vec, h_strided, *flags.values())
+
+    def constexprs() -> dict:
+        # fp32 I/O scores in FP64 (see kernels/attn_res_fwd.py, _stats): part of the compile key via the dtype.
+        common = dict(VEC=vec, H_STRIDED=h_strided, ACC64=prefix_sum.dtype == torch.float32,
+                      num_warps=plan.num_warps, **flags)
+        # A register cap and PDL are compile options of the GPU backend only (the interpreter takes neither).
+        if plan.maxnreg and not interpreted:
+            common["maxnreg"] = plan.maxnreg
+        if plan.pdl:
+            common["launch_pdl"] = True
+        if plan.kernel == "token":
+            return dict(BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile, NUM_STAGES=plan.num_stages,
+                        USE_PDL=plan.pdl, **common)
+        if plan.kernel == "rows":
+            return dict(BLOCK_H=plan.block_h, PREFETCH=plan.prefetch, NUM_STAGES=plan.num_stages,
+                        USE_PDL=plan.pdl, **common)
+        if plan.kernel == "tiles":
+            return dict(BLOCK_H=plan.tile_h, K_PAD=plan.k_pad, COMPENSATED=common.pop("ACC64"), **common)
+        return dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, **common)
+
     stream = _stream(prefix_sum)
     with _device_guard(prefix_sum):
-        if plan.kernel in ("token", "rows"):
-            if plan.pdl:
-                options["launch_pdl"] = True
-            if plan.kernel == "token":
-                constexprs = dict(BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile, VEC=vec, H_STRIDED=h_strided,
-                                  ACC64=acc64, NUM_STAGES=plan.num_stages, USE_PDL=plan.pdl,
-                                  num_warps=plan.num_warps, **flags, **options)
-                _launch.launch(_decode.attn_res_token_kernel, (T,), args, runtime, constexprs, key,
-                               interpreted=interpreted, stream=stream)
-                return
-            constexprs = dict(BLOCK_H=plan.block_h, VEC=vec, H_STRIDED=h_strided, ACC64=acc64,
-                              PREFETCH=plan.prefetch, NUM_STAGES=plan.num_stages, USE_PDL=plan.pdl,
-                              num_warps=plan.num_warps, **flags, **options)
+        if plan.kernel == "token":
+            _launch.launch(_decode.attn_res_token_kernel, (T,), args, runtime, key, constexprs, ntensors=5,
+                           interpreted=interpreted, stream=stream)
+        elif plan.kernel == "rows":
             grid = (min(T, num_sms(prefix_sum.device) * plan.ctas_per_sm),)
-            _launch.launch(_fwd.attn_res_rows_kernel, grid, args, runtime, constexprs, key, interpreted=interpreted,
-                           stream=stream)
-            return
-        if plan.kernel == "tiles":
+            _launch.launch(_fwd.attn_res_rows_kernel, grid, args, runtime, key, constexprs, ntensors=5,
+                           interpreted=interpreted, stream=stream)
+        elif plan.kernel == "tiles":
             # The Ascend kernel's algorithm on CUDA: per token, pass 1 reads [K_PAD, tile_h] tiles of all
             # candidates at once (statistics), pass 2 re-reads them (L1/L2 hits) for the output.
-            grid = (triton.cdiv(T, plan.tokens_per_prog),)
-            _fwd.attn_res_npu_kernel[grid](
-                *args[:9], plan.tokens_per_prog, *args[9:],
-                BLOCK_H=plan.tile_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, COMPENSATED=acc64,
-                num_warps=plan.num_warps, **fused_kernel_args(fused, vec), **options)
-            return
-        out_norm = fused is not None and fused.out_norm_weight is not None
-        # The partials of this call (FP64 per chunk and candidate; with OUT_NORM one more per chunk, the partial
-        # sum of squares of the rounded mix): a fresh buffer, so concurrent calls never share one.
-        partials = torch.empty(T * plan.p_pad * (2 * plan.k_pad + int(out_norm)), dtype=torch.float64,
-                               device=prefix_sum.device)
-        grid = (plan.p, T)
-        common = dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, VEC=vec, H_STRIDED=h_strided,
-                      ACC64=acc64, num_warps=plan.num_warps, **fused_kernel_args(fused, vec), **options)
-        split_args = (*args[:5], partials, *args[5:])
-        _fwd.attn_res_split_kernel[grid](*split_args, PHASE=1, **common)
-        _fwd.attn_res_split_kernel[grid](*split_args, PHASE=2, **common)
-        if out_norm:
-            _fwd.attn_res_split_kernel[grid](*split_args, PHASE=3, **common)
+            tiles_args = (*args[:9], plan.tokens_per_prog, *args[9:])
+            _launch.launch(_fwd.attn_res_npu_kernel, (triton.cdiv(T, plan.tokens_per_prog),), tiles_args, runtime,
+                           key, constexprs, ntensors=5, interpreted=interpreted, stream=stream)
+        else:
+            out_norm = fused is not None and fused.out_norm_weight is not None
+            # The partials of this call (FP64 per chunk and candidate; with OUT_NORM one more per chunk, the partial
+            # sum of squares of the rounded mix): a fresh buffer, so concurrent calls never share one.
+            partials = torch.empty(T * plan.p_pad * (2 * plan.k_pad + int(out_norm)), dtype=torch.float64,
+                                   device=prefix_sum.device)
+            split_args = (*args[:5], partials, *args[5:])
+            for phase in (1, 2, 3) if out_norm else (1, 2):
+                _launch.launch(_fwd.attn_res_split_kernel, (plan.p, T), split_args, runtime, (*key, phase),
+                               lambda phase=phase: dict(constexprs(), PHASE=phase), ntensors=6,
+                               interpreted=interpreted, stream=stream)
 
 
 # --------------------------------------------------------------------------------------------------------------
