@@ -3,19 +3,19 @@
 
 Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), kernel paths:
 
-- **token** (decode sizes, the default up to ``TOKEN_MAX_T`` tokens): ``kernels/attn_res_decode.py``, one program
-  per token streaming its K block rows in [ROWS, next_pow2(H)] tiles through an online softmax, the prefix
-  candidate folded in last; every row read once, no workspace. With programmatic dependent launch (PDL) on
+- **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens except where the split is):
+  ``kernels/attn_res_decode.py``, one program per token streaming its K block rows in [ROWS, next_pow2(H)] tiles
+  through an online softmax, the prefix candidate folded in last; every row read once, no workspace. With programmatic dependent launch (PDL) on
   sm_90+: a captured chain of calls overlaps each launch with its predecessor's tail (``K3_OPS_PDL=0`` turns it
   off).
 - **rows** (large T): a persistent grid (``ctas_per_sm`` programs per SM); each program streams the candidate rows
   of its tokens (tokens pid, pid + grid, ...) as one continuous, prefetched sequence through a [next_pow2(H)]
   hidden tile with ``cols < H`` masks and an online softmax. Each candidate row is read once in its native dtype;
   each output row is written once; the folded weight is read once per program. Any K.
-- **split** (opt-in, small T, K + 1 <= 16): H split into P = cdiv(H, chunk) programs per token, each holding a
-  [K_PAD, chunk] tile of all candidates in registers; partial (sum v^2, <v, w>) per chunk are written by a first
-  launch and combined by a second (a third scales the output norm). The partials live in a buffer allocated per
-  call from the caching allocator, like an output.
+- **split** (the default for T <= 4 and K >= 2; K + 1 <= 16, larger K goes to the token path): H split into
+  P = cdiv(H, chunk) programs per token, each holding a [K_PAD, chunk] tile of all candidates in registers;
+  partial (sum v^2, <v, w>) per chunk are written by a first launch and combined by a second (a third scales the
+  output norm). The partials live in a buffer allocated per call from the caching allocator, like an output.
 - **tiles** (opt-in): the Ascend kernel's two-pass algorithm on CUDA, for comparison.
 
 Concurrency: no path keeps state between launches or shares a buffer across calls, so any number of launches may
@@ -206,16 +206,22 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
 
 
 def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
-    # Decode sizes: one program per token (no workspace, no barrier). Up to 64 tokens, tiles of 4 block rows with
-    # 8 warps (one row at a time for K = 1); from 128 tokens, when several programs share an SM, one row at a
-    # time with 4 warps and 3 stages. H200 figures: docs/benchmarks.md, "Plain mix".
-    # Large T: the persistent rows kernel with 4 warps: its [8192]-wide FP32 accumulator, weight and current row
-    # need ~255 registers per thread, so exactly two 4-warp programs fit an SM. It stages its rows through shared
-    # memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 / 0.826
-    # of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the plan,
-    # spills <= 96 bytes pipelined against ~1 KB with prefetch 1 (tools/ptxas_info.py).
-    if t_bucket <= 64 and k_bucket > 1:
-        return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=2)
+    # From one H200 sweep (docs/benchmarks.md, "Plain mix"; bf16, H = 7168, graph replay):
+    # - T <= 4, K >= 2: the split path: more SMs per token than one program can use, its partials in a per-call
+    #   buffer between two launches (T = 1, K = 8: 4.7 us against 5.7 for the best per-token tile).
+    # - K = 1 up to 256 tokens, and every K at 129-256 tokens: one program per token, one row at a time, 4 warps,
+    #   3 stages (T = 1, K = 1: 2.9 us).
+    # - K >= 2 at 5-128 tokens: one program per token, tiles of 4 block rows, 8 warps, no software pipelining (a
+    #   tile's 4 rows are already in flight together; a second stage only adds shared-memory traffic).
+    # - Large T: the persistent rows kernel with 4 warps: its [8192]-wide FP32 accumulator, weight and current row
+    #   need ~255 registers per thread, so exactly two 4-warp programs fit an SM. It stages its rows through shared
+    #   memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 /
+    #   0.826 of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the
+    #   plan, spills <= 96 bytes pipelined against ~1 KB with prefetch 1 (tools/ptxas_info.py).
+    if t_bucket <= 4 and k_bucket > 1:
+        return LaunchConfig(kernel="split", chunk=512)
+    if t_bucket <= 128 and k_bucket > 1:
+        return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
     if t_bucket <= TOKEN_MAX_T:
         return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3)
     return LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2, prefetch=0, num_stages=3)
@@ -250,7 +256,8 @@ def _split_warps(k_pad: int, chunk: int) -> int:
 
 @dataclass(frozen=True)
 class _Plan:
-    """A table entry resolved for one shape: exactly what is launched (the compile key lives here)."""
+    """A table entry resolved for one shape: exactly what is launched (the compile key lives here). Hashed once
+    (it is part of every launch's cache key)."""
 
     kernel: str
     num_warps: int
@@ -267,6 +274,12 @@ class _Plan:
     num_stages: int = 1  # token, rows with prefetch 0
     maxnreg: int | None = None
     tile_h: int = 0  # tiles
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash(tuple(self.__dict__.values())))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 #: Resolved default plans by (T bucket, K, H, device): choose_config's table walk happens once per key.
@@ -292,12 +305,15 @@ def choose_config(T: int, K: int, H: int, device: torch.device, config: LaunchCo
 
 def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Plan:
     block_h = next_power_of_2(H)
+    if config.kernel == "split" and K + 1 > SPLIT_MAX_CANDIDATES:
+        # More candidates than the split tile holds: the per-token kernel, which takes any K.
+        config = LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
     if config.kernel == "token":
         pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
         return _Plan("token", config.num_warps or _rows_warps(block_h), block_h=block_h,
                      rows_per_tile=config.rows_per_tile, pdl=pdl, num_stages=config.num_stages,
                      maxnreg=config.maxnreg)
-    if config.kernel == "split" and K + 1 <= SPLIT_MAX_CANDIDATES:
+    if config.kernel == "split":
         k_pad = next_power_of_2(K + 1)
         chunk = min(config.chunk, block_h)
         p = triton.cdiv(H, chunk)
