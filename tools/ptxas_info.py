@@ -21,6 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from k3_ops.backends import TRITON_COMPILE_OPTIONS  # noqa: E402
 from k3_ops.kernels import attn_res_fwd  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -84,6 +85,11 @@ def _source(fn, sig: dict, const: dict) -> ASTSource:
     return ASTSource(fn, sig, constexprs, attrs)
 
 
+def _options(num_warps: int, maxnreg: int | None = None) -> dict:
+    # The launches' own compile options (k3_ops.backends.TRITON_COMPILE_OPTIONS), so the figures are theirs.
+    return {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {}), **TRITON_COMPILE_OPTIONS}
+
+
 def resources(ptx: str) -> dict:
     """ptxas -v's report for one kernel: registers, stack frame and spill bytes (-1 where not reported)."""
     found = find_ptxas()
@@ -118,7 +124,7 @@ def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fuse
     const.update(BLOCK_H=block_h, VEC=8 if dtype != "fp32" else 4, H_STRIDED=False, ACC64=acc64,
                  PREFETCH=prefetch, NUM_STAGES=num_stages)
     src = _source(attn_res_fwd.attn_res_rows_kernel, sig, const)
-    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
+    k = triton.compile(src, target=TARGET, options=_options(num_warps, maxnreg))
     return k.asm["ptx"], k.metadata.shared
 
 
@@ -145,8 +151,7 @@ def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=Tru
     for n in const:
         sig[n] = "constexpr"
     src = _source(fn, sig, const)
-    opts = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-    k = triton.compile(src, target=TARGET, options=opts)
+    k = triton.compile(src, target=TARGET, options=_options(num_warps, maxnreg))
     return k.asm["ptx"], k.metadata.shared
 
 
@@ -170,7 +175,7 @@ def split_bwd(which: str, dtype: str, k_pad: int, block: int, num_warps: int, nu
         const.update(WRITE_PREFIX=True, WRITE_BLOCKS=True, COMPUTE_DW=True)
     sig.update({n: "i32" for n in ints})
     sig.update({n: "constexpr" for n in const})
-    k = triton.compile(_source(fn, sig, const), target=TARGET, options={"num_warps": num_warps})
+    k = triton.compile(_source(fn, sig, const), target=TARGET, options=_options(num_warps))
     return k.asm["ptx"], k.metadata.shared
 
 
