@@ -3,10 +3,12 @@
 The large-T kernels are latency-bound: their speed depends on how many rows are in flight per SM, which the
 register file caps (docs/kernels.md, docs/benchmarks.md). A change that makes the default plans spill to local
 memory can cost 3x (the fused kernel did, at ~1 KB per thread) and no CPU test would notice. So: compile the
-default plans (read from the live launch table and backward config) for sm_90 with Triton's own ptxas, as
-tools/ptxas_info.py does, and check registers and spills. It runs in a subprocess because the test session
-runs Triton in interpreter mode. Skips where this triton has no CUDA ptxas. The CUDA C++ backward
-(csrc_cuda/) is compiled the same way with nvcc where a CUDA toolkit is installed (its tests skip elsewhere).
+default plans (read from the live launch table and backward config) for sm_90 with the ptxas Triton itself
+picks for sm_90, as tools/ptxas_info.py does, and check registers and spills. It runs in a subprocess because
+the test session runs Triton in interpreter mode. Skips where this triton has no CUDA ptxas. The figures move
+with the Triton release (its code generation and its ptxas): the comments below give what each one measured.
+The CUDA C++ backward (csrc_cuda/) is compiled the same way with nvcc where a CUDA toolkit is installed (its
+tests skip elsewhere).
 """
 from __future__ import annotations
 
@@ -20,39 +22,44 @@ import pytest
 
 triton = pytest.importorskip("triton")
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "ptxas_info.py"
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-needs_ptxas = pytest.mark.skipif(not PTXAS.exists(), reason=f"no CUDA ptxas in this triton install ({PTXAS})")
 
 
 @pytest.fixture(scope="module")
 def budget() -> dict:
+    """{plan name: ptxas -v resources}; skips where Triton has no ptxas for sm_90."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(TOOL), "--json"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    if report["ptxas"] is None:
+        pytest.skip(f"triton {report['triton']} has no CUDA ptxas for sm_90")
+    return report["cases"]
 
 
-@needs_ptxas
 def test_default_rows_plan_has_no_spills(budget):
     # Two 4-warp programs per SM (ctas_per_sm = 2) need <= 255 registers per thread, and no local memory.
+    # Measured: 246 registers, no spills, with triton 3.8 and with triton 3.9.
     r = budget["forward-default"]
     assert 0 < r["regs"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 
 
-@needs_ptxas
 def test_default_fused_rows_plan_spills_little(budget):
     # The fused serving variant shares the plan (bit-exact mix); with every flag on it may spill a little in
-    # its once-per-token epilogue: 92 bytes with triton 3.8 (CI), 132 with the H200's triton 3.6, where its
-    # benchmarks ran. The bound is there to catch ~1 KB, which (rows held in registers) made it 3x slower.
+    # its once-per-token epilogue: 80 bytes of spill stores and loads with triton 3.8, 112 with triton 3.9 (the
+    # two CI stacks); 132 with the H200's triton 3.6, where its benchmarks ran (measured before the kernels'
+    # masks became tl.where selects, which took 3.8 from 92 to 80 and 3.9 from 120 to 112). The bound is there
+    # to catch ~1 KB, which (rows held in registers) made it 3x slower.
     r = budget["forward-default-fused"]
     assert 0 <= r["spill_stores"] <= 256 and 0 <= r["spill_loads"] <= 256, r
 
 
-@needs_ptxas
 @pytest.mark.parametrize("name", ["backward-split-kpad2", "backward-split-kpad16", "backward-split-apply-kpad2",
                                   "backward-split-apply-kpad16", "backward-rows-kpad2", "backward-rows-kpad16",
                                   "backward-tiles-kpad2", "backward-tiles-kpad16"])
 def test_default_backward_plan_has_no_spills(budget, name):
+    # 255 registers is the hardware's per-thread limit: past it ptxas spills. Measured (registers, no spills):
+    # statistics kernel of the split 241 with triton 3.8, 254 with triton 3.9 (the closest to the limit); its
+    # apply kernel 221 on both; rows kernel 252 / 240; tiles kernel 175 / 173 at K_PAD 16, 114 at K_PAD 2.
     r = budget[name]
     assert 0 < r["regs"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 

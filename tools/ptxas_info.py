@@ -1,9 +1,10 @@
 """Registers, spills and shared memory of the forward kernels compiled for sm_90 WITHOUT a GPU.
 
-Compiles the Triton kernels ahead of time (``triton.compile`` for target cuda:90) and runs the ``ptxas`` that
-ships with Triton with ``-v`` on the PTX, so register pressure of a launch configuration can be read on any
-machine (the H200 time is then spent only on timings). Triton versions differ between machines; treat the
-figures as close, not exact. Usage: python tools/ptxas_info.py [words that select cases, e.g. fused default]
+Compiles the Triton kernels ahead of time (``triton.compile`` for target cuda:90) and runs ``ptxas -v`` on the
+PTX, with the ptxas Triton itself assembles sm_90 with (``find_ptxas``), so register pressure of a launch
+configuration can be read on any machine (the H200 time is then spent only on timings). Triton versions differ
+between machines (code generation and ptxas both); treat the figures as close, not exact.
+Usage: python tools/ptxas_info.py [words that select cases, e.g. fused default]
 """
 from __future__ import annotations
 
@@ -20,10 +21,30 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from k3_ops.backends import TRITON_COMPILE_OPTIONS  # noqa: E402
 from k3_ops.kernels import attn_res_fwd  # noqa: E402
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
+
+
+def find_ptxas(arch: int = TARGET.arch) -> tuple[str, str] | None:
+    """(path, CUDA release) of the ptxas Triton assembles sm_<arch> with; None where this triton has none.
+
+    Triton's own lookup, not a fixed file: the binary follows the PTX version Triton emits, and that moves with
+    the release (triton 3.6-3.8 use their bundled ``bin/ptxas`` below sm_100; 3.9 emits PTX 9.4 for sm_90, which
+    only its bundled ``bin/ptxas-blackwell`` accepts). ``TRITON_PTXAS_PATH`` / ``TRITON_PTXAS_BLACKWELL_PATH``
+    override it here as they do for Triton's own compiles. ``get_ptxas(arch)`` returning a tool with ``.path``
+    and ``.version`` is the API of triton 3.6, 3.8 and 3.9.
+    """
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:  # no CUDA backend in this triton (e.g. triton-ascend)
+        return None
+    try:
+        tool = get_ptxas(arch)
+    except RuntimeError:  # Triton's "Cannot find ptxas"
+        return None
+    return tool.path, tool.version
 
 
 def rows_signature(dtype: str, fused: dict) -> tuple[dict, dict]:
@@ -64,13 +85,21 @@ def _source(fn, sig: dict, const: dict) -> ASTSource:
     return ASTSource(fn, sig, constexprs, attrs)
 
 
+def _options(num_warps: int, maxnreg: int | None = None) -> dict:
+    # The launches' own compile options (k3_ops.backends.TRITON_COMPILE_OPTIONS), so the figures are theirs.
+    return {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {}), **TRITON_COMPILE_OPTIONS}
+
+
 def resources(ptx: str) -> dict:
     """ptxas -v's report for one kernel: registers, stack frame and spill bytes (-1 where not reported)."""
+    found = find_ptxas()
+    if found is None:
+        raise RuntimeError(f"triton {triton.__version__} has no ptxas for sm_{TARGET.arch}")
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        r = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+        r = subprocess.run([found[0], "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
                            capture_output=True, text=True)
     text = r.stdout + r.stderr
     if r.returncode != 0:
@@ -95,7 +124,7 @@ def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fuse
     const.update(BLOCK_H=block_h, VEC=8 if dtype != "fp32" else 4, H_STRIDED=False, ACC64=acc64,
                  PREFETCH=prefetch, NUM_STAGES=num_stages)
     src = _source(attn_res_fwd.attn_res_rows_kernel, sig, const)
-    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
+    k = triton.compile(src, target=TARGET, options=_options(num_warps, maxnreg))
     return k.asm["ptx"], k.metadata.shared
 
 
@@ -122,8 +151,7 @@ def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=Tru
     for n in const:
         sig[n] = "constexpr"
     src = _source(fn, sig, const)
-    opts = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-    k = triton.compile(src, target=TARGET, options=opts)
+    k = triton.compile(src, target=TARGET, options=_options(num_warps, maxnreg))
     return k.asm["ptx"], k.metadata.shared
 
 
@@ -147,7 +175,7 @@ def split_bwd(which: str, dtype: str, k_pad: int, block: int, num_warps: int, nu
         const.update(WRITE_PREFIX=True, WRITE_BLOCKS=True, COMPUTE_DW=True)
     sig.update({n: "i32" for n in ints})
     sig.update({n: "constexpr" for n in const})
-    k = triton.compile(_source(fn, sig, const), target=TARGET, options={"num_warps": num_warps})
+    k = triton.compile(_source(fn, sig, const), target=TARGET, options=_options(num_warps))
     return k.asm["ptx"], k.metadata.shared
 
 
@@ -213,15 +241,18 @@ def budget_cases() -> list[tuple[str, str, dict]]:
 
 def main() -> None:
     """Print every case whose name contains one of the command-line words (all cases without any);
-    ``--json`` prints {name: resources} for ``budget_cases()`` instead (used by tests/test_register_budget.py)."""
+    ``--json`` prints {"triton": version, "ptxas": [path, CUDA release] or null, "cases": {name: resources}} for
+    ``budget_cases()`` instead (used by tests/test_register_budget.py; no cases where there is no ptxas)."""
     args = sys.argv[1:]
+    found = find_ptxas()
     if args[:1] == ["--json"]:
         out = {}
-        for name, kind, kw in budget_cases():
+        for name, kind, kw in budget_cases() if found else []:
             ptx = (rows if kind == "fwd" else bwd)(**kw)[0]
             out[name] = resources(ptx)
-        print(json.dumps(out))
+        print(json.dumps({"triton": triton.__version__, "ptxas": found, "cases": out}))
         return
+    print(f"triton {triton.__version__}, ptxas {found[1] if found else None} ({found[0] if found else 'not found'})")
     for name, kw in FORWARD_CASES:
         if not args or any(o in name for o in args):
             ptx, shared = rows(**kw)

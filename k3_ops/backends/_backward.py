@@ -20,7 +20,7 @@ import triton
 
 from .. import reference
 from ..kernels import attn_res_bwd as _bwd
-from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec
+from . import TRITON_COMPILE_OPTIONS, hidden_strided, next_power_of_2, prepare_weights, stride_vec
 
 __all__ = ["BackwardPlan", "trivial_attn_res_backward", "run_attn_res_backward", "REDUCE_BLOCK_P",
            "REDUCE_BLOCK_H"]
@@ -42,6 +42,8 @@ class BackwardPlan:
     df: the same statistics and softmax backward in double-float FP32 arithmetic (devices without FP64); the
         weight gradient then accumulates in FP32. Neither: plain FP32.
     launch_options: extra launch keyword arguments (``num_warps`` on CUDA, ``multibuffer`` under triton-ascend).
+    compile_options: keyword arguments every launch of this backward passes (default: the shared
+        ``TRITON_COMPILE_OPTIONS``; the NPU policy passes its own ``npu.compile_options()``).
     num_stages: software-pipelining depth of the kernel's two chunk loops (1: none).
     kernel: "tiles" (``attn_res_bwd_kernel``, every device), "rows" (``attn_res_bwd_rows_kernel``, CUDA, H <=
         block_h = next_power_of_2(H)) or "stats_apply" (CUDA, H <= block_h: ``attn_res_bwd_stats_kernel`` with
@@ -72,6 +74,7 @@ class BackwardPlan:
     reduce_options: tuple[tuple[str, object], ...] = field(default=())
     scalars_programs: int = 0
     vectors_per_thread: int = 0
+    compile_options: tuple[tuple[str, object], ...] = field(default=tuple(TRITON_COMPILE_OPTIONS.items()))
 
 
 def trivial_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
@@ -133,9 +136,10 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
             T, K, C, H, float(eps), tokens_per_prog,
             gy.stride(0) // vec, x.stride(0) // vec, x.stride(1), blocks.stride(0) // vec, blocks.stride(1) // vec,
             blocks.stride(2), H // vec, (C * H) // vec, H // vec)
+    compile_options = dict(plan.compile_options)
     flags = dict(BLOCK_H=plan.block_h, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, WRITE_PREFIX=want_prefix,
                  WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64, NUM_STAGES=plan.num_stages,
-                 **dict(plan.launch_options))
+                 **dict(plan.launch_options), **compile_options)
     if plan.kernel == "stats_apply":
         assert plan.block_h >= H and not plan.df, "stats_apply is the CUDA whole-row plan and has no DF variant"
         # Three launches, tensors between them O(T x K): chunk partials of the statistics [T, chunks, 3, K_PAD],
@@ -148,16 +152,16 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
         _bwd.attn_res_bwd_stats_kernel[(triton.cdiv(T, stats_tpp), chunks)](
             gy, x, blocks, raw(nw), raw(pw), raw(part), T, K, H, stats_tpp, *args[14:20],
             BLOCK_C=plan.apply_block, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided, ACC64=plan.acc64,
-            NUM_STAGES=plan.num_stages, **dict(plan.launch_options))
+            NUM_STAGES=plan.num_stages, **dict(plan.launch_options), **compile_options)
         sc_tpp = triton.cdiv(T, max(1, min(plan.scalars_programs or plan.apply_programs * chunks, T)))
         _bwd.attn_res_bwd_scalars_kernel[(triton.cdiv(T, sc_tpp),)](
             raw(part), raw(scalars), T, K, H, float(eps), chunks, sc_tpp, K_PAD=plan.k_pad,
-            CHUNKS_PAD=next_power_of_2(chunks), ACC64=plan.acc64, num_warps=1)
+            CHUNKS_PAD=next_power_of_2(chunks), ACC64=plan.acc64, num_warps=1, **compile_options)
         apply_args = args[:5] + (raw(scalars),) + args[5:12] + args[13:]  # no eps
         _bwd.attn_res_bwd_apply_kernel[(programs, chunks)](
             *apply_args, BLOCK_C=plan.apply_block, K_PAD=plan.k_pad, VEC=vec, H_STRIDED=h_strided,
             WRITE_PREFIX=want_prefix, WRITE_BLOCKS=want_blocks, COMPUTE_DW=want_w, ACC64=plan.acc64,
-            NUM_STAGES=plan.apply_num_stages, **dict(plan.apply_options))
+            NUM_STAGES=plan.apply_num_stages, **dict(plan.apply_options), **compile_options)
     elif plan.kernel == "single_read":
         # CUDA C++ (csrc_cuda/attn_res_bwd.cu): every token read once; the launch policy checked its layout rules.
         from .. import _C
@@ -174,5 +178,5 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
         block = min(REDUCE_BLOCK_H, next_power_of_2(H))
         _bwd.attn_res_bwd_dw_reduce_kernel[(triton.cdiv(H, block),)](
             raw(ws), raw(grad_w), programs, H, BLOCK_P=REDUCE_BLOCK_P, BLOCK_H=block,
-            **dict(plan.reduce_options or plan.launch_options))
+            **dict(plan.reduce_options or plan.launch_options), **compile_options)
     return grad_prefix, grad_blocks, grad_w

@@ -15,7 +15,7 @@ Configuration (forward, ``attn_res_forward``), kernel ``attn_res_npu_kernel``:
   constant; K itself, the model-level ``num_valid_blocks``, is a runtime argument): pass 1 accumulates
   sum(v^2) and <v, w> per candidate, then the softmax; pass 2 re-reads the tiles and writes the output chunk.
 - ``multibuffer=True`` (double-buffered loads) only under triton-ascend: plain Triton rejects unknown launch
-  options.
+  options. The shared ``TRITON_COMPILE_OPTIONS`` everywhere but under triton-ascend (``compile_options``).
 
 Cost model (no figure is claimed without hardware): bytes moved per token = (2 (K + 1) + 1) * H * itemsize
 (every candidate row read twice, the output written once) + weights from L2. Two reads instead of one because
@@ -39,7 +39,7 @@ import torch
 import triton
 
 from ..kernels import attn_res_fwd as _fwd
-from . import hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
+from . import TRITON_COMPILE_OPTIONS, hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
 from . import _backward
 from ._fused import FusedArgs as _FusedArgs
 from ._fused import fused_hidden_dims, fused_kernel_args, fused_token_strides, trivial_fused_attn_res
@@ -54,6 +54,7 @@ __all__ = [
     "num_vector_cores",
     "is_triton_ascend",
     "launch_options",
+    "compile_options",
     "npu_block_h",
     "attn_res_forward",
     "fused_attn_res",
@@ -133,6 +134,13 @@ def launch_options() -> dict:
     """Extra launch keyword arguments: ``multibuffer=True`` under triton-ascend only (never in the interpreter,
     which, like plain Triton, rejects unknown options)."""
     return {"multibuffer": True} if is_triton_ascend() and not use_interpreter() else {}
+
+
+def compile_options() -> dict:
+    """The shared ``TRITON_COMPILE_OPTIONS``, except under triton-ascend: its Ascend backend (3.2) takes
+    ``enable_fp_fusion`` but never reads it (its BiSheng compiler decides contraction) and prints a "DO NOT tune
+    args" warning for it at every compile. Plain Triton (the interpreter, the simulated NPU) gets them."""
+    return {} if is_triton_ascend() and not use_interpreter() else dict(TRITON_COMPILE_OPTIONS)
 
 
 _vector_core_cache: dict[int, int] = {}
@@ -232,7 +240,7 @@ def _launch_forward(prefix_sum, block_residual, nw, pw, out, K: int, eps: float,
         prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
         block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec,
         BLOCK_H=block_h, K_PAD=k_pad, VEC=vec, H_STRIDED=h_strided,
-        COMPENSATED=compensated, **fused_kernel_args(fused, vec), **launch_options())
+        COMPENSATED=compensated, **fused_kernel_args(fused, vec), **launch_options(), **compile_options())
 
 
 def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
@@ -337,6 +345,7 @@ def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_re
     plan = _backward.BackwardPlan(num_programs=num_vector_cores(prefix_sum.device),
                                   block_h=npu_bwd_block_h(H, k_pad, prefix_sum.element_size()), k_pad=k_pad,
                                   acc64=False, df=True,  # Ascend vector cores have no FP64: double-float
-                                  launch_options=tuple(launch_options().items()))
+                                  launch_options=tuple(launch_options().items()),
+                                  compile_options=tuple(compile_options().items()))
     return _backward.run_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
                                            num_valid_blocks, eps, output_mask, plan, raw=raw)

@@ -376,11 +376,14 @@ def _store_dv(dv, t64, i, K, cols, hmask, gp_ptr, gb_ptr, stride_gpt, stride_gbt
               WRITE_PREFIX: tl.constexpr, WRITE_BLOCKS: tl.constexpr):
     """Candidate i's gradient row of token t: grad_prefix_sum[t] for i == K, grad_block_residual[t, i] for i < K
     (both outputs contiguous); an output not asked for is not written."""
+    # Masks as tl.where (a bool tensor on every Triton version; `hmask & (i == K)` reaches triton 3.9's interpreter
+    # as int32, which it rejects as a mask).
     if WRITE_PREFIX:
-        tl.store(gp_ptr + t64 * (stride_gpt * VEC) + cols, dv.to(gp_ptr.dtype.element_ty), mask=hmask & (i == K))
+        tl.store(gp_ptr + t64 * (stride_gpt * VEC) + cols, dv.to(gp_ptr.dtype.element_ty),
+                 mask=tl.where(hmask, i == K, False))
     if WRITE_BLOCKS:
         tl.store(gb_ptr + t64 * (stride_gbt * VEC) + tl.cast(tl.minimum(i, K - 1), tl.int64) * (stride_gbc * VEC)
-                 + cols, dv.to(gb_ptr.dtype.element_ty), mask=hmask & (i < K))
+                 + cols, dv.to(gb_ptr.dtype.element_ty), mask=tl.where(hmask, i < K, False))
 
 
 @triton.jit

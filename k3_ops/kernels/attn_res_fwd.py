@@ -207,7 +207,9 @@ def _load_candidate_row(prefix_ptr, blocks_ptr, t, i, K, cols, hmask, stride_pt,
         offs = tl.cast(cols, tl.int64) * tl.where(i < K, stride_bh, stride_ph)
     else:
         offs = cols
-    return tl.load(base + offs, mask=hmask & (i <= K), other=0.0, eviction_policy="evict_first")
+    # Masks are built with tl.where, a bool tensor on every Triton version: `hmask & (i <= K)` (a bool tensor and
+    # a scalar comparison) reaches triton 3.9's interpreter as int32, which it rejects as a mask.
+    return tl.load(base + offs, mask=tl.where(hmask, i <= K, False), other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -230,8 +232,8 @@ def _load_step(prefix_ptr, blocks_ptr, pid, nprog, j, steps, K, cols, hmask, str
     # candidate j % (K + 1). Steps past the end load nothing.
     t = pid + (j // (K + 1)) * nprog
     i = j % (K + 1)
-    row = _load_candidate_row(prefix_ptr, blocks_ptr, t, i, K, cols, hmask & (j < steps), stride_pt, stride_ph,
-                              stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
+    row = _load_candidate_row(prefix_ptr, blocks_ptr, t, i, K, cols, tl.where(hmask, j < steps, False), stride_pt,
+                              stride_ph, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
     return row
 
 
@@ -246,8 +248,8 @@ def _load_step_fused(prefix_ptr, blocks_ptr, addend_ptr, pid, nprog, j, steps, K
     if HAS_ADDEND:
         i = j % (K + 1)
         t = pid + (j // (K + 1)) * nprog
-        row = tl.where(i == K, _add_addend(row, addend_ptr, t, cols, hmask & (j < steps) & (i == K), stride_at,
-                                           stride_ah, VEC, H_STRIDED), row)
+        row = tl.where(i == K, _add_addend(row, addend_ptr, t, cols, tl.where(hmask, (j < steps) & (i == K), False),
+                                           stride_at, stride_ah, VEC, H_STRIDED), row)
     return row
 
 
