@@ -1,4 +1,4 @@
-"""Autograd of kimi_k3::attn_res (issue 5): gradcheck, the backward op's contract (opcheck, Meta, output_mask),
+"""Autograd of kimi_k3::attn_res: gradcheck, the backward op's contract (opcheck, Meta, output_mask),
 what autograd saves, needs_input_grad, double backward, and torch.compile of forward + backward.
 
 These run on every device the machine has (the ``device`` fixture: CPU here, CUDA on the H200). The Triton

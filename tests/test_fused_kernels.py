@@ -191,7 +191,7 @@ def _kernel_launches(fn) -> int:
 @pytest.mark.parametrize("T", [1, 8, 64, 4096], ids=lambda t: f"T{t}")
 def test_kernel_launches_per_call(T: int, norm: str):
     """One kernel per fused call (allocation issues no kernel); the split path with the output norm keeps to
-    one launch too (second barrier round); issue 6 allows two there."""
+    one launch too (a second round of its barrier)."""
     from k3_ops.backends import cuda
 
     case = FusedCase(Sample(T=T, K=8, cap=9, H=7168, dtype=torch.bfloat16), norm=norm)

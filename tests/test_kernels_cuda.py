@@ -1,4 +1,4 @@
-"""The CUDA Triton kernels on a real GPU (issue 3): opcheck, the accuracy contract up to T = 16384 on both paths,
+"""The CUDA Triton kernels on a real GPU: opcheck, the accuracy contract up to T = 16384 on both paths,
 layouts, NaN-poisoned capacity, the split path's self-resetting barrier under CUDA-graph replay, and two-launch
 mode == one-launch mode. Everything here skips with a reason where there is no NVIDIA GPU.
 

@@ -1,4 +1,4 @@
-"""Recompile safety (issue 3): token counts T in {1, 7, 16, 17, 512} with fixed K, H and dtype use one compiled
+"""Recompile safety: token counts T in {1, 7, 16, 17, 512} with fixed K, H and dtype use one compiled
 kernel per launch path, and after ``k3_ops.warmup`` the default launch table compiles nothing new.
 
 Two ways of counting:

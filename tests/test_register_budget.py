@@ -4,7 +4,7 @@ The large-T kernels are latency-bound: their speed depends on how many rows are 
 register file caps (docs/kernels.md, docs/benchmarks.md). A change that makes the default plans spill to local
 memory can cost 3x (the fused kernel did, at ~1 KB per thread) and no CPU test would notice. So: compile the
 default plans (read from the live launch table and backward config) for sm_90 with Triton's own ptxas, as
-tools/ptxas_info.py does, and check registers and spills. It runs in a subprocess because the test session
+tools/ptxas_info.py does, and check registers and spills. It runs in a subprocess because the pytest process
 runs Triton in interpreter mode. Skips where this triton has no CUDA ptxas. The CUDA C++ backward
 (csrc_cuda/) is compiled the same way with nvcc where a CUDA toolkit is installed (its tests skip elsewhere).
 """
@@ -138,7 +138,7 @@ def test_cuda_cpp_backward_smem_k8_variant_spills_almost_nothing(cpp_budget, dty
 def test_cuda_cpp_backward_k8_variant_spills_little(cpp_budget, dtype):
     # The register layout (forced, or where the shared-memory one does not fit) at K <= 8 holds 9 rows x 2 vectors
     # plus grad_out and w at the 128-register budget: a few of w's registers live in L1-resident local memory
-    # (nvcc 13.0: 116-156 bytes of spill stores, 208-324 of loads over the versions timed in docs/benchmarks.md).
+    # (nvcc 13.0: 116-156 bytes of spill stores, 208-324 of loads over the versions in docs/history.md, "Backward").
     # The bound catches a regression to the ~1 KB that hurts.
     r = cpp_budget[(dtype, 2, 10)]
     assert r.get("spill_stores", 0) <= 256 and r.get("spill_loads", 0) <= 512, r
