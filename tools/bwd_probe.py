@@ -6,7 +6,7 @@ k3_ops.bench train --bwd-configs``; "default" is always included): the whole bac
 ``k3_ops.bench.train.backward_bytes``), and the device time per kernel from ``torch.profiler`` (so the two kernels of
 "stats_apply" show their shares). A config may also set "REDUCE_BLOCK_P" / "REDUCE_BLOCK_H" (the weight-gradient
 reduction's tile, module constants of k3_ops.backends._backward, set for that config's timings only). Usage (on a GPU):
-    python tools/bwd_probe.py @tools/tune_bwd3.json [--tokens 4096,16384] [--blocks 1,8] [--json out.json]
+    python tools/bwd_probe.py '{"split": {"kernel": "stats_apply"}}' [--tokens 4096,16384] [--blocks 1,8] [--json out.json]
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Host time of one forward + backward step of kimi_k3::attn_res (training, plain launches), and where it goes.
 
-The train section's fwd + bwd column (``python -m k3_ops.bench train``) is host-bound at T = 4096 (docs/benchmarks.md): this prints the step's wall time
-with the GPU kept busy-free (synchronised only at the end), its device time, and a cProfile of the host side
-(top functions by own time), so a per-call Python cost can be found. Usage (on a GPU):
+The train section's fwd + bwd step (``python -m k3_ops.bench train``) is host-bound at T = 4096
+(docs/benchmarks.md, "Where the remaining gap goes"): this prints the step's wall time with the GPU kept busy-free
+(synchronised only at the end), its device time, and a cProfile of the host side (top functions by own time), so
+a per-call Python cost can be found. Usage (on a GPU):
     python tools/profile_host.py [--tokens 4096] [--blocks 1] [--iters 200] [--top 25]
 """
 from __future__ import annotations
