@@ -1,9 +1,9 @@
-// The single-read CUDA backward of kimi_k3::attn_res (issue 5). Math: docs/attn_res_backward.md.
+// The single-read CUDA backward of kimi_k3::attn_res. Math: docs/attn_res_backward.md.
 //
 // Why a CUDA C++ kernel next to the Triton ones: the backward needs every candidate twice per token (statistics,
 // then dv), and its bandwidth target needs the second read to come from on-chip memory. The Triton split reads
 // the inputs twice from DRAM (ceiling ~0.61 of copy bandwidth at K = 8); the Triton streaming kernel reads once
-// but is issue-bound (docs/benchmarks.md, "Sixth session"). Here one program per SM walks a contiguous token
+// but is issue-bound (docs/history.md, "Backward"). Here one program per SM walks a contiguous token
 // range, each input row read from DRAM once. Two layouts of the token's rows (the launch policy picks per K,
 // k3_ops/backends/cuda.py SINGLE_READ_SMEM_MIN_K):
 //

@@ -1,4 +1,4 @@
-// The single-read CUDA backward of kimi_k3::attn_res (issue 5): host-side interface of attn_res_bwd.cu.
+// The single-read CUDA backward of kimi_k3::attn_res: host-side interface of attn_res_bwd.cu.
 //
 // Plain CUDA runtime types only (no torch headers): python_cuda.cpp turns tensors into these arguments, and this
 // file's .cu compiles with nvcc alone. The math is docs/attn_res_backward.md's; the design is in attn_res_bwd.cu.

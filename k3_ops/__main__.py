@@ -6,7 +6,8 @@ On the best device present (CUDA, an Ascend NPU through torch_npu, else CPU) it
    the plain FP32 formula;
 2. runs the op inside ``torch.compile(fullgraph=True, dynamic=True)`` and checks it against eager, with the
    graph-break count;
-3. runs the benchmark (``k3_ops.bench``; pass ``--no-bench`` to skip it, or benchmark options after ``--``).
+3. runs the benchmark (``python -m k3_ops.bench``, every section; ``--no-bench`` skips it, benchmark options go
+   after ``--``) and ends by printing where its JSON, tables and plots were written.
 Exit status 1 if any check fails.
 """
 from __future__ import annotations
@@ -57,7 +58,8 @@ def check_numerics(device: torch.device) -> bool:
         cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
         truth = reference.attn_res_truth(*cpu_args)
         k, e = error_stats(out, truth), error_stats(eager, truth)
-        good = (not out.isnan().any()) and k.max_abs <= 1.25 * e.max_abs + 1e-12 and k.mean_abs <= 1.25 * e.mean_abs + 1e-12
+        good = (not out.isnan().any() and k.max_abs <= 1.25 * e.max_abs + 1e-12
+                and k.mean_abs <= 1.25 * e.mean_abs + 1e-12)
         ok &= good
         print(f"  T={T:<4} K={K} cap={cap} {layout}-major bf16 H=7168: op max|err|={k.max_abs:.2e} "
               f"mean|err|={k.mean_abs:.2e} | eager max|err|={e.max_abs:.2e} mean|err|={e.mean_abs:.2e} "
@@ -103,12 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"k3_ops {k3_ops.__version__} | torch {torch.__version__} | device {device}")
     ok = check_numerics(device)
     ok &= check_compile(device)
+    written = {}
     if not args.no_bench:
         from k3_ops import bench
 
         print("== benchmark (python -m k3_ops.bench; options after '--')")
-        bench.main(["--device", device.type, *bench_argv])
+        written = bench.main(["--device", device.type, *bench_argv]).get("_written", {})
     print("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
+    for kind, what in (("json", "results (JSON)"), ("png", "plots (PNG)"), ("md", "tables (Markdown)")):
+        paths = [w[kind] for w in written.values() if kind in w]
+        if paths:
+            print(f"benchmark {what}: {', '.join(paths)}")
     return 0 if ok else 1
 
 

@@ -54,7 +54,7 @@ _lib.impl("attn_res", _attn_res_cuda, "CUDA")
 _lib.impl("attn_res", _attn_res_npu, "PrivateUse1")
 
 
-# --- fused_attn_res: the serving variant (issue 6) ------------------------------------------------------
+# --- fused_attn_res: the serving variant ----------------------------------------------------------------
 # Kernels take the schema's arguments in order; the dispatcher may drop trailing arguments that equal
 # their defaults, hence the defaults here. Each checks before anything is written, so a rejected call
 # leaves block_residual untouched.
@@ -122,7 +122,7 @@ _lib.impl("fused_attn_res", _fused_attn_res_autograd, "Autograd", with_keyset=Tr
 _lib.impl("fused_attn_res", _fused_attn_res_inplace_or_view, "ADInplaceOrView", with_keyset=True)
 
 
-# --- attn_res_backward and autograd (issue 5) -----------------------------------------------------------
+# --- attn_res_backward and autograd ---------------------------------------------------------------------
 def _attn_res_backward_cpu(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
                            output_mask):
     _raise(_C.check_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,

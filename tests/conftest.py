@@ -124,7 +124,7 @@ def device(request) -> str:
     return request.param
 
 
-# --- Triton interpreter (issue 3) -------------------------------------------------------------------------
+# --- Triton interpreter -----------------------------------------------------------------------------------
 # TRITON_INTERPRET is read when @triton.jit decorates a kernel, i.e. when a kernel module is first imported;
 # k3_ops never imports one at package import, so setting it here (before any test runs) is early enough.
 # Only where there is no GPU: on the H200 the same suite must run the real compiled CUDA kernels.

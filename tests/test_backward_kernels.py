@@ -1,4 +1,4 @@
-"""The backward kernels of kimi_k3::attn_res (issue 5): Triton, through both launch policies, and the CUDA C++
+"""The backward kernels of kimi_k3::attn_res: Triton, through both launch policies, and the CUDA C++
 single-read kernel (csrc_cuda/; GPU only: no interpreter runs CUDA C++).
 
 - Interpreter (TRITON_INTERPRET=1, CPU tensors): ``backends.cuda.attn_res_backward`` (FP64 statistics) and
@@ -131,7 +131,7 @@ def test_cuda_backward_plan_resolution():
     assert n % 16 == 0
     assert cuda.choose_backward_plan(n // 16, 15, 7168, cpu).kernel == "stats_apply"  # exactly n rows
     assert cuda.choose_backward_plan(n // 16 - 1, 15, 7168, cpu).kernel == "rows"
-    # The smallest measured shape (fifth session, 1-warp split): the split 1.26x faster than rows; the larger
+    # The smallest measured shape (1-warp split, 318af1a): the split 1.26x faster than rows; the larger
     # shapes 1.28-1.57x. Below the threshold (unmeasured) the rows kernel's single launch.
     assert cuda.choose_backward_plan(4096, 1, 7168, cpu).kernel == "stats_apply"
     assert cuda.choose_backward_plan(16384, 8, 7168, cpu).kernel == "stats_apply"

@@ -1,4 +1,4 @@
-"""The kimi_k3::fused_attn_res contract (issue 6) on CPU, and on CUDA where present.
+"""The kimi_k3::fused_attn_res contract on CPU, and on CUDA where present.
 
 Exactness on one device (docs/fused_attn_res.md): new_prefix is torch's own ``prefix_sum + addend`` bit for
 bit, the snapshot row is new_prefix bit for bit, without the output norm ``out`` is that device's

@@ -1,5 +1,5 @@
 """Both Triton launch policies (CUDA: token, rows and split paths; Ascend NPU) under the Triton interpreter, on CPU
-tensors, against the float64 truth with the accuracy contract (issue 3).
+tensors, against the float64 truth with the accuracy contract.
 
 Contract: the kernel's max-abs and mean-abs errors against the float64 truth are each at most 1.25x those of
 the FP32 eager formula rounded to the output dtype. One interpreter quirk: its fp32 -> bf16 conversion

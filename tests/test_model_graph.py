@@ -1,4 +1,4 @@
-"""k3_ops.nn inside a model graph: a toy Kimi-K3-style decoder stack under torch.compile (issue 7).
+"""k3_ops.nn inside a model graph: a toy Kimi-K3-style decoder stack under torch.compile.
 
 The stack (``ToyK3Model``) runs the K3 call schedule of docs/attn_res.md with block size 3 and a small hidden
 size: a mix before attention and before the MLP of every layer, a snapshot at every block start, a final mix

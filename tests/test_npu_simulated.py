@@ -1,7 +1,7 @@
 """A simulated Ascend NPU: torch.ops.kimi_k3.attn_res on PrivateUse1 tensors goes through the dispatcher to the
 PrivateUse1 kernel, the NPU launch policy and the Triton kernel (under the interpreter), without torch_npu.
 
-How the simulation works (issue 3, item 3):
+How the simulation works:
 - ``torch.utils.backend_registration._setup_privateuseone_for_python_backend("npu")`` makes PrivateUse1 a Python
   backend named "npu" (device guard, hooks and device module stubs).
 - An ``NpuTensor`` is a wrapper tensor on the "npu" device (``torch._C._acc.create_empty_tensor``) that holds a
@@ -116,7 +116,7 @@ class SimulatedNpu:
 
 class _Availability:
     """Whether the simulated device reports itself available: only while the fixture is active, so that
-    torch.accelerator (used e.g. by opcheck's RNG freezing) ignores it in the rest of the test session."""
+    torch.accelerator (used e.g. by opcheck's RNG freezing) ignores it in the rest of the pytest run."""
 
     active = False
 

@@ -145,7 +145,7 @@ def test_cuda_cpp_backward_smem_k8_variant_spills_almost_nothing(cpp_budget, dty
 def test_cuda_cpp_backward_k8_variant_spills_little(cpp_budget, dtype):
     # The register layout (forced, or where the shared-memory one does not fit) at K <= 8 holds 9 rows x 2 vectors
     # plus grad_out and w at the 128-register budget: a few of w's registers live in L1-resident local memory
-    # (nvcc 13.0: 116-156 bytes of spill stores, 208-324 of loads over the versions timed in docs/benchmarks.md).
+    # (nvcc 13.0: 116-156 bytes of spill stores, 208-324 of loads over the versions in docs/history.md, "Backward").
     # The bound catches a regression to the ~1 KB that hurts.
     r = cpp_budget[(dtype, 2, 10)]
     assert r.get("spill_stores", 0) <= 256 and r.get("spill_loads", 0) <= 512, r

@@ -1,12 +1,12 @@
 """Backward launch configurations timed side by side, with each kernel's share of the time (H200 tuning aid).
 
-For each shape (T, K) and each ``BackwardConfig`` (JSON ``{"name": {knobs}}`` or ``@file``, as ``bench_train
---bwd-configs``; "default" is always included): the whole backward op timed like ``bench_train`` (plain launches,
-L2 flushed between calls, median), its fraction of copy bandwidth (the backward's own bytes, see
-``bench_train.backward_bytes``), and the device time per kernel from ``torch.profiler`` (so the two kernels of
+For each shape (T, K) and each ``BackwardConfig`` (JSON ``{"name": {knobs}}`` or ``@file``, as ``python -m
+k3_ops.bench train --bwd-configs``; "default" is always included): the whole backward op timed like that section
+(plain launches, L2 flushed between calls, median), its fraction of copy bandwidth (the backward's own bytes, see
+``k3_ops.bench.train.backward_bytes``), and the device time per kernel from ``torch.profiler`` (so the two kernels of
 "stats_apply" show their shares). A config may also set "REDUCE_BLOCK_P" / "REDUCE_BLOCK_H" (the weight-gradient
 reduction's tile, module constants of k3_ops.backends._backward, set for that config's timings only). Usage (on a GPU):
-    python tools/bwd_probe.py @tools/tune_bwd3.json [--tokens 4096,16384] [--blocks 1,8] [--json out.json]
+    python tools/bwd_probe.py '{"split": {"kernel": "stats_apply"}}' [--tokens 4096,16384] [--blocks 1,8] [--json out.json]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from k3_ops import bench, bench_train  # noqa: E402
+from k3_ops.bench import Timer, train  # noqa: E402
 from k3_ops.backends import _backward, cuda  # noqa: E402
 
 REDUCE_KNOBS = ("REDUCE_BLOCK_P", "REDUCE_BLOCK_H")
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--blocks", default="1,8")
     ap.add_argument("--capacity", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--rep", type=int, default=50)
+    ap.add_argument("--rep", type=float, default=20.0, help="milliseconds per measurement")
     ap.add_argument("--json", default=None)
     ap.add_argument("--mask", default="111", help="output_mask as three digits (e.g. 001: weight gradient only, "
                     "no dv stores: how much of the time the stores take)")
@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
     defaults = {k: getattr(_backward, k) for k in REDUCE_KNOBS}
     mask = [c == "1" for c in a.mask]
     dev = torch.device("cuda")
-    bw = bench.copy_bandwidth(dev)
+    timer = Timer(dev, rep_ms=a.rep)
+    bw = timer.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s  {torch.cuda.get_device_name()}  torch {torch.__version__}")
     H, C, dtype = a.hidden, a.capacity, torch.bfloat16
     results = []
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> int:
             gy = torch.randn(T, H, device=dev, dtype=dtype, generator=g)
             nw = 1 + 0.1 * torch.randn(H, device=dev, generator=g)
             pw = torch.randn(1, H, device=dev, generator=g) / H ** 0.5
-            nbytes = bench_train.backward_bytes(T, K, C, H, 2)
+            nbytes = train.backward_bytes(T, K, C, H, 2)
             ref_out = None
             for name, cfg in configs.items():
                 for k, v in {**defaults, **reduce_tiles.get(name, {})}.items():
@@ -88,7 +89,7 @@ def main(argv: list[str]) -> int:
                 dev_max = max((float((o.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30))
                                for o, r in zip(out, ref_out) if o.numel()), default=0.0)
                 del out
-                us = bench_train._time_gpu(fn, a.rep)
+                us = timer.launch(fn)
                 kt = kernel_times(fn)
                 frac = nbytes / (us * 1e-6) / bw
                 gpu_us = sum(kt.values())  # device time of the kernels alone (no host launch gaps)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build k3_ops in place on a GPU machine and run the named stages (stages after build need the same
 # shell, so name them in one call: tools/gpu_run.sh build tests bench); used for the H200 runs recorded in
-# docs/benchmarks.md. Stages: build, errors, ncu, testfiles, ptests, tests, bench, tune, main, train, fused (default: build tests bench).
+# docs/benchmarks.md. Stages: build, errors, ncu, testfiles, ptests, tests, bench, tune, main, train, serving
+# (default: build tests bench).
 # Results (logs, JSON, PNG) go to $OUT (default ./gpu_out). Extra pytest arguments: PYTEST_ARGS (word-split:
 # no spaces inside one argument, so "-k a or b" does not work; name the files in TEST_GROUPS instead). A copy of
 # the working tree may carry another commit's git metadata: pass K3_OPS_COMMIT=$(git rev-parse --short HEAD)
@@ -74,16 +75,21 @@ for stage in "${stages[@]}"; do
       timeout ${TEST_TIMEOUT:-1200} $PY -m pytest -q -ra ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -Ev "^(tests/|\.|s)+[ .sxEF]*\[ *[0-9]+%\]$" | tail -60
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench)
-      $PY -m k3_ops.bench --out "$OUT" ${BENCH_ARGS:-} 2>/dev/null | tee "$OUT/bench.txt" || status=1 ;;
+      # Every section of the benchmark (BENCH_ARGS: section names and options, e.g. "mix fused --quick"): JSON,
+      # Markdown tables and PNG plots under $OUT, the tables on stdout.
+      $PY -m k3_ops.bench --out "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || { tail -20 "$OUT/bench.err"; status=1; } ;;
     tune)
-      $PY -m k3_ops.bench --out "$OUT/tune" --impls k3_ops --graph-only --block-tokens "" ${TUNE_ARGS:-} 2>/dev/null \
-        | tee "$OUT/tune.txt" || status=1 ;;
+      # Forward launch configs side by side (TUNE_ARGS, e.g. --configs @configs.json --tokens 1,8,64).
+      $PY -m k3_ops.bench mix --out "$OUT/tune" --no-refs --layouts token ${TUNE_ARGS:-} 2>"$OUT/tune.err" \
+        | tee "$OUT/tune.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || { tail -20 "$OUT/tune.err"; status=1; } ;;
     main)
       $PY -m k3_ops --no-bench || status=1 ;;
     train)
-      $PY -m k3_ops.bench_train --out "$OUT/train.json" ${TRAIN_ARGS:-} || status=1 ;;
-    fused)
-      $PY -m k3_ops.bench_fused --out "$OUT/fused.json" ${FUSED_ARGS:-} || status=1 ;;
+      $PY -m k3_ops.bench train --out "$OUT" ${TRAIN_ARGS:-} || status=1 ;;
+    serving)
+      $PY -m k3_ops.bench fused layer --out "$OUT" ${SERVING_ARGS:-} || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -1,5 +1,7 @@
-"""One backward launch at a training shape, for ``ncu`` (tools/gpu_run.sh stage ``ncu``): compiles first, then
-runs the measured launch between cudaProfilerStart/Stop so ncu can skip the compile-time launches.
+"""One backward launch at a training shape, for ``ncu`` (the ``ncu`` stage of tools/gpu_run.sh).
+
+It compiles first, then runs the measured launch between cudaProfilerStart/Stop so ncu can skip the compile-time
+launches.
 K3_BWD_KERNEL=rows|stats_apply|tiles forces one backward kernel (default: the policy's choice);
 K3_BWD_CONFIG='{"kernel": "rows", ...}' gives the whole BackwardConfig instead; K3_BWD_MASK=001 an output_mask."""
 import json

@@ -1,8 +1,9 @@
 """Host time of one forward + backward step of kimi_k3::attn_res (training, plain launches), and where it goes.
 
-bench_train's fwd + bwd column is host-bound at T = 4096 (docs/benchmarks.md): this prints the step's wall time
-with the GPU kept busy-free (synchronised only at the end), its device time, and a cProfile of the host side
-(top functions by own time), so a per-call Python cost can be found. Usage (on a GPU):
+The train section's fwd + bwd step (``python -m k3_ops.bench train``) is host-bound at T = 4096
+(docs/benchmarks.md, "Where the remaining gap goes"): this prints the step's wall time with the GPU kept busy-free
+(synchronised only at the end), its device time, and a cProfile of the host side (top functions by own time), so
+a per-call Python cost can be found. Usage (on a GPU):
     python tools/profile_host.py [--tokens 4096] [--blocks 1] [--iters 200] [--top 25]
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import k3_ops  # noqa: E402,F401
-from k3_ops import bench_train  # noqa: E402
+from k3_ops.bench import train  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
                  1 + 0.1 * torch.randn(H, device=dev, generator=g),
                  torch.randn(1, H, device=dev, generator=g) / H ** 0.5, K, 1e-6)
     gy = torch.randn(T, H, device=dev, dtype=dtype, generator=g)
-    step = bench_train.step_fn(torch.ops.kimi_k3.attn_res.default, call_args, gy)
+    step = train.step_fn(torch.ops.kimi_k3.attn_res.default, call_args, gy)
     for _ in range(5):
         step()
     torch.cuda.synchronize()

@@ -1,6 +1,7 @@
-"""Smoke check of the bad-input path on this machine's torch build: eager (CPU and, where present, CUDA) and at
-trace time (FakeTensor -> the C++ Meta kernel). Exit status 0 when every call raised the expected ValueError.
-Used by tools/gpu_run.sh (stage ``errors``) before the test suite, so that a crash there is diagnosed alone."""
+"""Smoke check of the bad-input path on this machine's torch build (the ``errors`` stage of tools/gpu_run.sh).
+
+Eager (CPU and, where present, CUDA) and at trace time (FakeTensor -> the C++ Meta kernel). Exit status 0 when
+every call raised the expected ValueError. Run before the test suite, so that a crash there is diagnosed alone."""
 import sys
 
 import torch

@@ -1,4 +1,4 @@
-"""The attn_res backward launch, shared by the CUDA and the NPU launch policies (issue 5).
+"""The attn_res backward launch, shared by the CUDA and the NPU launch policies.
 
 ``cuda.attn_res_backward`` and ``npu.attn_res_backward`` decide *how* to launch (a ``BackwardPlan``: how many
 programs, the hidden tile, warps or Ascend options); this module does what is identical on both devices: the

@@ -1,4 +1,4 @@
-"""The device-independent part of the fused_attn_res launch (kimi_k3::fused_attn_res, issue 6), shared by
+"""The device-independent part of the fused_attn_res launch (kimi_k3::fused_attn_res), shared by
 ``cuda.py`` and ``npu.py``: the cases that launch no kernel, the output allocation, and the extra kernel
 arguments / stride facts that switch the forward kernels' fused constexpr flags on (kernels/attn_res_fwd.py).
 No triton import here.

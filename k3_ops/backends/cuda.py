@@ -515,7 +515,7 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
 # --------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BackwardConfig:
-    """Knobs of the backward launch (tuned on the H200 with ``python -m k3_ops.bench_train``).
+    """Knobs of the backward launch (tuned on the H200 with ``python -m k3_ops.bench train --bwd-configs``).
 
     kernel: "auto" (default: "single_read" where it runs, else "stats_apply" when T x (K + 1) >=
         SPLIT_BACKWARD_MIN_ROWS, else "rows"), "single_read" (the CUDA C++ kernel of csrc_cuda/attn_res_bwd.cu:
@@ -546,16 +546,16 @@ class BackwardConfig:
         registers, that many vectors per thread and row (H / 8 / vectors_per_thread threads, 64 or 128 registers).
         None (default): 2 for K <= SINGLE_READ_SMEM_MIN_K - 1 (the 3- and 6-row variants, which hold their
         rows in registers without spilling), 0 from there on; either falls back to the other where its shared
-        memory does not fit the device's opt-in (eighth session, H200, H = 7168: 0 is 1.34-1.36x faster than 2
-        at K = 8, 2 is 0-2 % faster at K = 1-4; docs/benchmarks.md "Eighth session").
+        memory does not fit the device's opt-in (H200, H = 7168, T = 4096-16384: 0 is 1.34-1.36x faster than 2
+        at K = 8, 2 is 0-1 % faster at K = 1-4; docs/benchmarks.md, "Tuning").
 
-    Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training"): the CUDA C++
-    single-read kernel wherever it runs (seventh session: 1.13-1.19x faster than the split at T = 4096-16384,
-    K = 1 and 8, register layout; eighth session: the shared-memory layout from K = 5, 1.5-1.6x faster than the
-    split at K = 8); for the Triton kernels the split with
+    Defaults: the fastest configurations timed on the H200 (docs/benchmarks.md, "Training" and "Tuning"; their
+    history in docs/history.md): the CUDA C++ single-read kernel wherever it runs (1.13-1.19x faster than the
+    split at T = 4096-16384, K = 1 and 8, register layout, at 8bb7b0e; the shared-memory layout from K = 5,
+    1.5-1.6x faster than the split at K = 8, at 1a44818); for the Triton kernels the split with
     1-warp programs over 1024-column chunks for both streams (no cross-warp reduction in the statistics; 32
     elements per thread in the apply pass), 8 programs per SM for each (one wave: ptxas gives them 221-241
-    registers, so 8 fit an SM), 3 stages, FP64 statistics and dw accumulation (fifth session: 1.26-1.57x faster
+    registers, so 8 fit an SM), 3 stages, FP64 statistics and dw accumulation (at 318af1a: 1.26-1.57x faster
     than rows from T x (K + 1) = 8192 rows up), rows below the threshold (one launch instead of four).
     Per-kernel warps / stages when left None: ``BACKWARD_KERNEL_DEFAULTS``.
     """
@@ -612,9 +612,9 @@ ROWS_BACKWARD_MAX_H = 8192
 BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "stats_apply": (1, 3), "tiles": (8, 3)}
 
 #: "auto" picks the stats/apply split from this many token-candidate rows, T x (K + 1), on: the smallest shape
-#: measured on the H200 with the 1-warp split (fifth session, 318af1a), T = 4096, K = 1, where the split beat the
+#: measured on the H200 with the 1-warp split (318af1a), T = 4096, K = 1, where the split beat the
 #: rows kernel by 1.26x under plain launches (1.28x in kernel time), though that op is near host-bound there
-#: (bench_train read 266-565 us for it in three runs); below it, unmeasured, the rows kernel's single launch (the
+#: (the training benchmark read 266-565 us for it in three runs); below it, unmeasured, the rows kernel's single launch (the
 #: split's four launches cost host time that small shapes do not hide).
 SPLIT_BACKWARD_MIN_ROWS = 8192
 
@@ -630,7 +630,7 @@ REDUCE_NUM_WARPS = 8
 #: register-resident one (2) below it. K + 2 rows of one vector pair each fill 128 registers from K = 5 (the
 #: 10-row variant spills), where the register-resident program's 14 warps (H = 7168) are too few to hide latency:
 #: on the H200 at K = 8 the 28-warp shared-memory layout is 1.34-1.36x faster (T = 4096-16384); at K = 1, 2, 4
-#: the register layout is 0-2 % faster (6 % at H = 4096, K = 1). Eighth session, docs/data/h200_bwd_probe_s8b.json.
+#: the register layout is 0-2 % faster (docs/data/attn_res_bwd_layouts_h200_796c85e.json).
 SINGLE_READ_SMEM_MIN_K = 5
 
 #: The default backward launch configuration; benchmarks pass ``config=`` to ``attn_res_backward`` instead.

@@ -266,7 +266,7 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Fused serving variant (issue 6).
+# Fused serving variant.
 # --------------------------------------------------------------------------------------------------------------
 def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
                    norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
@@ -294,7 +294,7 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Backward (issue 5): kimi_k3::attn_res_backward. Kernels in k3_ops.kernels.attn_res_bwd; the device-independent
+# Backward: kimi_k3::attn_res_backward. Kernels in k3_ops.kernels.attn_res_bwd; the device-independent
 # part of the launch (trivial cases, allocation, strides) lives in backends/_backward.py, shared with cuda.py.
 # --------------------------------------------------------------------------------------------------------------
 def npu_bwd_block_h(H: int, k_pad: int, itemsize: int) -> int:

@@ -1,0 +1,136 @@
+"""Section ``train``: forward + backward of one ``attn_res`` call at training shapes.
+
+Per (layout, T, K), for each implementation: the time of one step (the forward, then ``torch.autograd.grad`` of
+all four inputs with a fixed incoming gradient; plain launches, each timed alone with a cold L2, median; wall time
+on a CPU), the peak memory it allocates beyond what existed before it, and that peak less the gradients it
+returns (which every implementation must allocate): O(T * H) for k3_ops (grad_out copies, workspace), O(T * K * H)
+for the eager graph's saved FP32 intermediates. Implementations: ``ops[name].attn_res`` with its registered
+autograd, and the references: autograd of the FP32 formula (``eager``) and of ``torch.compile`` of it
+(``compile``, GPU only). The backward op is also timed alone (``ops[name].backward``) against the bytes it must
+move: K + 1 candidate rows and grad_out read, C + 1 gradient rows written (grad_block_residual at full capacity,
+grad_prefix_sum), per token.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from .common import Ops, Options, Problem, environment, k3_ops_ops, progress
+from .mix import reference_impls
+from .timing import Timer, synchronize
+
+DEFAULTS = {
+    "all": {"hidden": 7168, "capacity": 8, "layouts": ["token"]},
+    "gpu": {"tokens": [1024, 4096, 16384], "blocks": [1, 4, 8]},
+    "cpu": {"tokens": [16, 64], "blocks": [1, 8]},
+    "quick": {"tokens": [16], "blocks": [4]},
+    "quick-cpu": {"hidden": 256},
+}
+
+
+def backward_bytes(T: int, K: int, C: int, H: int, itemsize: int) -> int:
+    return T * H * itemsize * ((K + 1) + 1 + (C + 1))
+
+
+def step_fn(attn_res: Callable, call_args: tuple, grad_out: torch.Tensor) -> Callable[[], tuple]:
+    """One training step: forward, then the gradients of all four tensor inputs (fresh leaves; a block-major
+    view stays a view)."""
+    prefix, blocks, nw, pw, K, eps = call_args
+    leaves = tuple(t.detach().requires_grad_(True) for t in (prefix, blocks, nw, pw))
+
+    def step():
+        out = attn_res(*leaves, K, eps)
+        return torch.autograd.grad(out, leaves, grad_out)
+
+    return step
+
+
+def peak_extra(step: Callable[[], tuple], device: torch.device) -> tuple[float, float]:
+    """(peak MiB allocated by one step beyond the memory before it, the same less the gradients returned)."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    grads = step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+    del grads
+    return peak / 2**20, (peak - grad_bytes) / 2**20
+
+
+def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, Ops] | None = None,
+        refs: dict | None = None) -> dict:
+    """Time the step of ``ops[name].attn_res`` and the backward alone of ``ops[name].backward`` for every name
+    (default: the registered ops) plus the ``refs`` formulas' steps (default: ``mix.reference_impls``)."""
+    opts = (opts or Options()).resolved()
+    device = opts.torch_device
+    is_cuda = device.type == "cuda"
+    timer = timer or Timer(device, opts.rep_ms, quick=opts.quick)
+    ops = {"k3_ops": k3_ops_ops()} if ops is None else ops
+    refs = (reference_impls(device) if opts.refs else {}) if refs is None else refs
+    forwards = {n: o.attn_res for n, o in ops.items() if o.attn_res is not None}
+    forwards.update({n: f for n, f in refs.items() if n not in forwards})
+    backwards = {n: o.backward for n, o in ops.items() if o.backward is not None}
+    H, cap = opts.pick(DEFAULTS, "hidden"), opts.pick(DEFAULTS, "capacity")
+    tokens, ks = opts.pick(DEFAULTS, "tokens"), opts.pick(DEFAULTS, "blocks")
+    layouts = opts.pick(DEFAULTS, "layouts")
+    dtype = opts.io_dtype
+    limits = timer.limits()
+    bw = limits["copy_bandwidth_Bps"]
+    rows = []
+    with progress(len(layouts) * len(ks) * len(tokens), "train", opts.progress) as bar:
+        for layout in layouts:
+            problem = Problem(max(tokens), cap, H, dtype, device, layout, opts.w_dtype)
+            g = torch.Generator(device="cpu").manual_seed(1)
+            grad_out_all = torch.randn(max(tokens), H, generator=g).to(device=device, dtype=dtype)
+            for K in ks:
+                problem.poison(K)
+                for T in tokens:
+                    bar.step(f"{layout}-major T={T} K={K}")
+                    call_args = problem.attn_res_args(T, K)
+                    gy = grad_out_all[:T]
+                    row = {"layout": layout, "T": T, "K": K, "bytes": backward_bytes(T, K, cap, H, dtype.itemsize)}
+                    for name, fwd in forwards.items():
+                        if name in refs and opts.max_ref_tokens and T > opts.max_ref_tokens:
+                            continue
+                        step = step_fn(fwd, call_args, gy)
+                        try:
+                            if is_cuda:
+                                row[f"peak:{name}"], row[f"peak_less_grads:{name}"] = peak_extra(step, device)
+                            row[f"us:{name}"] = timer.launch(step)
+                        except torch.OutOfMemoryError:
+                            row[f"us:{name}"] = float("nan")  # the unfused graph does not fit: that is the point
+                        del step
+                        if is_cuda:
+                            torch.cuda.empty_cache()
+                    for name, bwd in backwards.items():
+                        row[f"bwd_us:{name}"] = us = timer.launch(partial(bwd, gy, *call_args, [True, True, True]))
+                        row[f"bwd_bw:{name}"] = row["bytes"] / (us * 1e-6) / bw
+                    first = next(iter(ops), None)
+                    if first and row.get("us:compile") and row.get(f"us:{first}"):
+                        row["vs_compile"] = row["us:compile"] / row[f"us:{first}"]
+                    rows.append(row)
+                problem.restore(K)
+            del problem, grad_out_all
+            synchronize(device)
+            if is_cuda:
+                torch.cuda.empty_cache()
+    names = [n for n in forwards if any(f"us:{n}" in r for r in rows)]
+    columns = [["layout", "layout", ""], ["T", "T", "d"], ["K", "K", "d"]]
+    columns += [[f"us:{n}", f"{n} fwd+bwd us", ".1f"] for n in names]
+    if is_cuda:
+        columns += [[f"peak_less_grads:{n}", f"{n} MiB", ".1f"] for n in names]
+    columns += [[f"bwd_us:{n}", f"{n} bwd us", ".1f"] for n in backwards]
+    columns += [[f"bwd_bw:{n}", f"{n} bwd of BW", ".3f"] for n in backwards]
+    if any("vs_compile" in r for r in rows):
+        columns.append(["vs_compile", "compile / " + next(iter(ops)), ".2f"])
+    notes = ["MiB: peak memory of one forward + backward step beyond what existed before it, less the gradients "
+             "it returns"] if is_cuda else []
+    timing = "plain launches, cold L2, median" if is_cuda else "wall time per call"
+    return {"section": "train", "title": "attn_res forward + backward", "environment": environment(device),
+            "limits": limits,
+            "params": {"dtype": opts.dtype, "weight_dtype": opts.weight_dtype or opts.dtype, "hidden": H,
+                       "capacity": cap, "timing": timing, "nan_in_unused_slots": True},
+            "columns": columns, "rows": rows, "notes": notes}

@@ -1,0 +1,207 @@
+"""The benchmark package on a CPU: every section runs through the reference on tiny shapes, writes what it says,
+and measures what it claims (timings themselves are not asserted beyond being positive and finite)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from k3_ops import bench, reference
+from k3_ops.bench import Ops, Options, Timer, cli, common, fused, host, layer, mix, train, writer
+
+TINY = dict(device="cpu", hidden=32, rep_ms=0.5, quick=True, progress=False)
+
+
+@pytest.fixture(scope="module")
+def timer():
+    return Timer("cpu", rep_ms=0.5, quick=True)
+
+
+def _positive(x) -> bool:
+    return isinstance(x, float) and x > 0 and math.isfinite(x)
+
+
+def test_options_pick_prefers_explicit_then_quick_then_device_then_all():
+    defaults = {"all": {"hidden": 7, "tokens": [1]}, "cpu": {"tokens": [2]}, "quick": {"tokens": [3]},
+                "quick-cpu": {"hidden": 5}}
+    assert Options(device="cpu").pick(defaults, "tokens") == [2]
+    assert Options(device="cpu").pick(defaults, "hidden") == 7
+    assert Options(device="cpu", quick=True).pick(defaults, "tokens") == [3]
+    assert Options(device="cpu", quick=True).pick(defaults, "hidden") == 5
+    assert Options(device="cpu", quick=True, tokens=[9]).pick(defaults, "tokens") == [9]
+    with pytest.raises(KeyError, match="layouts"):
+        Options(device="cpu").pick(defaults, "layouts")
+
+
+def test_timer_on_cpu(timer):
+    assert _positive(timer.wall(lambda: torch.ones(8).sum()))
+    assert timer.launch(lambda: None) > 0  # a CPU has no launch timing: wall time per call
+    assert timer.mode == "wall"
+    with pytest.raises(RuntimeError, match="graph replay needs a CUDA device, got cpu"):
+        timer.graph(lambda: None)
+    limits = timer.limits()
+    assert _positive(limits["copy_bandwidth_Bps"]) and limits["graph_node_us"] is None
+    assert timer.limits() is limits  # measured once per run, reported beside every section
+
+
+def test_wall_counts_every_call(timer):
+    calls = []
+    timer.wall(lambda: calls.append(1), calls=4)
+    assert len(calls) == 1 + 3 * 4  # one warm-up call, then three batches (quick) of four
+
+
+def test_commit_env_override(monkeypatch):
+    monkeypatch.setenv("K3_OPS_COMMIT", "abc1234")
+    assert common.commit() == "abc1234"
+    assert common.environment(torch.device("cpu"))["commit"] == "abc1234"
+
+
+@pytest.mark.parametrize("layout", ["token", "block"])
+def test_problem_poisons_only_the_unused_slots(layout):
+    p = common.Problem(5, 4, 8, torch.bfloat16, torch.device("cpu"), layout)
+    p.poison(2)
+    blocks = p.blocks(3)
+    assert blocks.shape == (3, 4, 8)
+    assert blocks[:, 2:].isnan().all() and not blocks[:, :2].isnan().any()
+    assert blocks.data_ptr() == p.storage.data_ptr()  # a view, never a copy
+    p.restore(2)
+    assert not p.blocks(5).isnan().any()
+
+
+def test_unfused_sequence_matches_the_fused_reference():
+    p = common.Problem(4, 5, 32, torch.float32, torch.device("cpu"), "token")
+    p.poison(2)
+    args = p.fused_args(4, 2, 2)
+    ref_out, ref_prefix = reference.fused_attn_res_reference(*args[:7], *args[7:])
+    snapshot = p.blocks(4)[:, 2].clone()
+    p.blocks(4)[:, 2] = float("nan")
+    out, new_prefix = common.unfused(reference.attn_res_reference)(*args)
+    torch.testing.assert_close(new_prefix, ref_prefix, rtol=0, atol=0)
+    torch.testing.assert_close(p.blocks(4)[:, 2], snapshot, rtol=0, atol=0)  # the slot was written again
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+
+
+def test_mix_section_rows_and_bandwidth(timer):
+    res = mix.run(Options(tokens=[1, 3], blocks=[0, 2], **TINY), timer)
+    assert [(r["layout"], r["T"], r["K"]) for r in res["rows"]] == [
+        (lay, T, K) for lay in ("token", "block") for K in (0, 2) for T in (1, 3)]
+    bw = res["limits"]["copy_bandwidth_Bps"]
+    for r in res["rows"]:
+        assert r["bytes"] == (r["K"] + 2) * r["T"] * 32 * 2
+        names = {"k3_ops", "eager"} if r["layout"] == "token" else {"k3_ops"}  # references: token-major only
+        assert {k.split(":")[1] for k in r if k.startswith("us:")} == names
+        assert all(_positive(r[f"us:{n}"]) for n in names)
+        assert r["bw:k3_ops"] == pytest.approx(r["bytes"] / (r["us:k3_ops"] * 1e-6) / bw)
+    assert res["notes"] == []  # NaN slots were never read
+    assert res["params"]["timing"] == "wall time per call" and res["plot"] == {"series": ["k3_ops"]}
+
+
+def test_mix_section_notes_a_kernel_that_reads_unused_slots(timer):
+    def reads_everything(prefix, blocks, nw, pw, K, eps):
+        return reference.attn_res_reference(prefix, blocks, nw, pw, blocks.size(1), eps)
+
+    res = mix.run(Options(tokens=[2], blocks=[1], layouts=["token"], refs=False, **TINY), timer,
+                  {"bad": Ops(attn_res=reads_everything)})
+    assert res["notes"] == ["bad returned non-finite values at token-major T=2 K=1"]
+
+
+def test_fused_section_times_every_variant_beside_the_unfused_row(timer):
+    k3 = common.k3_ops_ops()
+    res = fused.run(Options(tokens=[2], blocks=[1, 8], capacity=8, **TINY), timer,
+                    {"a": k3, "b": Ops(fused=k3.fused)})
+    rows = res["rows"]
+    assert [(r["K"], r["write"]) for r in rows] == [(1, 1), (8, -1)]  # the snapshot needs a free slot
+    for r in rows:
+        assert all(_positive(r[f"us:{n}"]) for n in ("a", "b", "unfused"))
+        assert r["bytes"] == (r["K"] + 4 + (r["write"] >= 0)) * r["T"] * 32 * 2
+        assert r["vs_unfused"] == pytest.approx(r["us:unfused"] / r["us:a"])
+
+
+def test_layer_schedule_snapshots_every_third_layer_until_the_buffer_is_full():
+    sites = layer.schedule(24, 9)
+    assert len(sites) == 48
+    writes = [(i // 2, w) for i, (_, w) in enumerate(sites) if w >= 0]
+    assert writes == [(layer_, k) for k, layer_ in enumerate(range(0, 24, 3))]
+    assert all(w == -1 for _, w in sites[1::2])  # site 2 never writes
+    for (k1, w1), (k2, _) in zip(sites[0::2], sites[1::2]):
+        assert w1 in (-1, k1) and k2 == k1 + (w1 >= 0)  # site 2 reads the snapshot site 1 wrote
+    assert layer.schedule(30, 5)[-1][0] == 4  # capacity 5: at most 4 snapshots (k < capacity - 1)
+
+
+def test_layer_step_fused_equals_unfused_on_cpu():
+    step = layer.Step(3, 32, 9, 6, torch.float32, torch.float32, torch.device("cpu"), "token")
+    k3 = common.k3_ops_ops()
+    out = step.run(k3.fused, k3.attn_res)
+    blocks = step.blocks.clone()
+    step.blocks.fill_(float("nan"))
+    ref = step.run(common.unfused(reference.attn_res_reference), reference.attn_res_reference)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step.blocks[:, :step.final_k], blocks[:, :step.final_k], rtol=1e-5, atol=1e-5)
+    assert step.final_k == 2 and step.blocks[:, 2:].isnan().all()
+
+
+def test_layer_section(timer):
+    res = layer.run(Options(tokens=[1, 2], **TINY), timer)
+    assert [r["T"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        assert r["calls"] == 49 and r["K_final"] == 8
+        assert r["site:k3_ops"] == pytest.approx(r["us:k3_ops"] / 49) and _positive(r["us:unfused"])
+
+
+def test_host_section_has_torch_add_and_every_call(timer):
+    res = host.run(Options(tokens=[1], **TINY), timer)
+    assert [(r["impl"], r["call"]) for r in res["rows"]] == [
+        ("torch", "torch.add"), ("k3_ops", "attn_res"), ("k3_ops", "fused_attn_res"), ("k3_ops", "fwd+bwd")]
+    assert all(_positive(r["wall_us"]) and r["K"] == 8 for r in res["rows"])
+
+
+def test_train_section(timer):
+    res = train.run(Options(tokens=[3, 5], blocks=[2], **TINY), timer)
+    assert [(r["T"], r["K"]) for r in res["rows"]] == [(3, 2), (5, 2)]
+    for r in res["rows"]:
+        assert all(_positive(r[f"us:{n}"]) for n in ("k3_ops", "eager")) and _positive(r["bwd_us:k3_ops"])
+        assert r["bytes"] == r["T"] * 32 * 2 * ((2 + 1) + 1 + (8 + 1))  # capacity 8: the training default
+
+
+def test_step_fn_returns_the_gradients_of_all_four_inputs():
+    p = common.Problem(3, 4, 16, torch.float32, torch.device("cpu"), "token")
+    p.poison(2)
+    grads = train.step_fn(reference.attn_res_reference, p.attn_res_args(3, 2), torch.ones(3, 16))()
+    assert [g.shape for g in grads] == [(3, 16), (3, 4, 16), (16,), (1, 16)]
+    assert (grads[1][:, 2:] == 0).all()
+
+
+def test_cli_writes_json_markdown_and_plot_and_report_renders_it(tmp_path, capsys):
+    results = bench.main(["mix", "fused", "--device", "cpu", "--quick", "--hidden", "32", "--tokens", "1,2",
+                          "--blocks", "1", "--rep", "0.5", "--out", str(tmp_path)])
+    assert set(results) == {"mix", "fused", "_written"}
+    out = capsys.readouterr().out
+    assert "k3_ops us" in out and f"# wrote {tmp_path / 'mix.json'}" in out
+    saved = json.loads((tmp_path / "mix.json").read_text())
+    assert saved["rows"] == results["mix"]["rows"] and saved["environment"]["torch"] == torch.__version__
+    md = (tmp_path / "mix.md").read_text().splitlines()
+    assert md[2].startswith("| layout | T | K | k3_ops us") and len(md) == 4 + len(saved["rows"])
+    if "png" in results["_written"]["mix"]:
+        assert (tmp_path / "mix.png").read_bytes()[:4] == b"\x89PNG"
+    bench.main(["report", str(tmp_path / "fused.json")])
+    assert capsys.readouterr().out == writer.render(results["fused"], "markdown") + "\n"
+    pytest.importorskip("matplotlib")
+    bench.main(["report", str(tmp_path / "mix.json"), "--plot", str(tmp_path / "again")])
+    assert (tmp_path / "again" / "mix.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_rejects_an_unknown_section(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["mixx", "--device", "cpu"])
+    assert "unknown section 'mixx': choose from mix, fused, layer, host, train" in capsys.readouterr().err
+
+
+def test_writer_markdown_marks_missing_values():
+    res = {"section": "s", "environment": {"device": "d", "torch": "t", "triton": None, "commit": "c"},
+           "limits": {"copy_bandwidth_Bps": 4.27e12, "graph_node_us": 1.2}, "params": {"dtype": "bf16"},
+           "columns": [["T", "T", "d"], ["us:a", "a us", ".2f"]], "rows": [{"T": 1, "us:a": 2.5}, {"T": 2}]}
+    md = writer.render(res, "markdown").splitlines()
+    assert "copy bandwidth 4.270 TB/s" in md[0] and "graph node 1.20 us" in md[0]
+    assert md[2:] == ["| T | a us |", "|---:|---:|", "| 1 | 2.50 |", "| 2 | - |"]
