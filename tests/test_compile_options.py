@@ -67,11 +67,19 @@ def _npu(fn_name: str):
     return call
 
 
-def _cuda_forward(args, gy):
-    from k3_ops.backends import cuda
+def _cuda_forward(path: str):
+    def call(args, gy):
+        from k3_ops.backends import cuda
 
-    cuda.attn_res_forward(*positional(args))
-    return cuda.fused_attn_res(*_fused_args(args))
+        config = cuda.LaunchConfig(kernel=path)
+        cuda.attn_res_forward(*positional(args), config=config)
+        plan = cuda.choose_config(SAMPLE.T, SAMPLE.K, SAMPLE.H, args["prefix_sum"].device, config)
+        fused = cuda._FusedArgs.allocate(args["prefix_sum"], None, SAMPLE.K, None, SAMPLE.eps)[0]
+        cuda._launch_forward(plan, args["prefix_sum"], args["block_residual"], args["norm_weight"],
+                             args["proj_weight"], torch.empty_like(args["prefix_sum"]), SAMPLE.K, SAMPLE.eps, fused)
+        return cuda.fused_attn_res(*_fused_args(args))
+
+    return call
 
 
 CALLS = {
@@ -81,8 +89,7 @@ CALLS = {
     "cuda-backward-rows": _cuda_backward("rows"),
     "cuda-backward-stats-apply": _cuda_backward("stats_apply"),
     "cuda-backward-tiles": _cuda_backward("tiles"),
-    "cuda-forward-and-fused": pytest.param(_cuda_forward, marks=pytest.mark.xfail(
-        strict=True, reason="backends/cuda.py's forward launches do not pass TRITON_COMPILE_OPTIONS yet")),
+    **{f"cuda-forward-{path}": _cuda_forward(path) for path in ("token", "rows", "split", "tiles")},
 }
 
 

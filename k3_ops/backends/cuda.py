@@ -47,7 +47,8 @@ import triton
 
 from ..kernels import attn_res_decode as _decode
 from ..kernels import attn_res_fwd as _fwd
-from . import _backward, _launch, hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
+from . import (TRITON_COMPILE_OPTIONS, _backward, _launch, hidden_strided, next_power_of_2, prepare_weights, stride_vec,
+               trivial_attn_res)
 from ._fused import FusedArgs as _FusedArgs
 from ._fused import fused_hidden_dims, fused_kernel_args, fused_token_strides, trivial_fused_attn_res
 
@@ -379,7 +380,7 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
     def constexprs() -> dict:
         # fp32 I/O scores in FP64 (see kernels/attn_res_fwd.py, _stats): part of the compile key via the dtype.
         common = dict(VEC=vec, H_STRIDED=h_strided, ACC64=prefix_sum.dtype == torch.float32,
-                      num_warps=plan.num_warps, **flags)
+                      num_warps=plan.num_warps, **flags, **TRITON_COMPILE_OPTIONS)
         # A register cap and PDL are compile options of the GPU backend only (the interpreter takes neither).
         if plan.maxnreg and not interpreted:
             common["maxnreg"] = plan.maxnreg
