@@ -11,6 +11,7 @@ import io
 
 import pytest
 import torch
+from test_model_graph import ToyK3Model, make_input
 from torch import nn
 from torch.export import Dim
 
@@ -18,7 +19,6 @@ import k3_ops  # noqa: F401  (loads the kimi_k3 library)
 from k3_ops.nn import AttnRes
 
 from conftest import Sample
-from test_model_graph import ToyK3Model, make_input
 
 ATTN_RES = torch.ops.kimi_k3.attn_res.default
 FUSED = torch.ops.kimi_k3.fused_attn_res.default
@@ -107,5 +107,5 @@ def test_export_toy_stack_with_bank_mutation(fused: bool):
                 assert torch.equal(got, want), f"T={t}"
                 assert torch.equal(got_bank.view(torch.int32), want_bank.view(torch.int32)), f"T={t}"
             else:
-                torch.testing.assert_close(got, want, msg=lambda m: f"T={t}: {m}")
-                torch.testing.assert_close(got_bank, want_bank, equal_nan=True, msg=lambda m: f"T={t}: {m}")
+                torch.testing.assert_close(got, want, msg=lambda m, t=t: f"T={t}: {m}")
+                torch.testing.assert_close(got_bank, want_bank, equal_nan=True, msg=lambda m, t=t: f"T={t}: {m}")

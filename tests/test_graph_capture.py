@@ -20,11 +20,11 @@ import math
 
 import pytest
 import torch
+from test_model_graph import ToyK3Model, make_input, mark_tokens_unbacked
 
 import k3_ops
 
 from conftest import requires_cuda
-from test_model_graph import ToyK3Model, make_input, mark_tokens_unbacked
 
 HIDDEN = 1024  # small, but a multi-warp row per token
 NUM_LAYERS = 7  # snapshots at layers 0, 3, 6: K runs 0..3
@@ -108,11 +108,11 @@ def _capture_and_replay(device: torch.device, backend_module, graph_cls, graph_c
             # move the softmax weights of later layers (H200: up to 0.12 absolute in 0.3 % of the elements).
             with torch.no_grad():
                 want = eager(x)
-            torch.testing.assert_close(got, want, atol=0.25, rtol=5e-2, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(got, want, atol=0.25, rtol=5e-2, msg=lambda m, what=what: f"{what}: {m}")
             got_bank, want_bank = model.bank.view(T), eager.bank.view(T)
             used = eager.bank.num_valid_blocks
             torch.testing.assert_close(got_bank[:, :used], want_bank[:, :used], atol=0.25, rtol=5e-2,
-                                       msg=lambda m: f"{what}, bank: {m}")
+                                       msg=lambda m, what=what: f"{what}, bank: {m}")
             assert got_bank[:, spare].isnan().all(), f"{what}: the spare slot was written"
             assert model.bank.storage.data_ptr() == storage_ptr, f"{what}: the bank storage was reallocated"
 
