@@ -11,7 +11,6 @@ import io
 
 import pytest
 import torch
-from test_model_graph import ToyK3Model, make_input
 from torch import nn
 from torch.export import Dim
 
@@ -19,6 +18,7 @@ import k3_ops  # noqa: F401  (loads the kimi_k3 library)
 from k3_ops.nn import AttnRes
 
 from conftest import Sample
+from test_model_graph import ToyK3Model, make_input
 
 ATTN_RES = torch.ops.kimi_k3.attn_res.default
 FUSED = torch.ops.kimi_k3.fused_attn_res.default

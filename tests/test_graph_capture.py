@@ -1,9 +1,9 @@
 """Graph capture of the compiled toy K3 stack: CUDA graphs on an NVIDIA GPU, NPUGraph (ACLGraph) on Ascend.
 
 What a serving engine does for decode: warm the kernels up (``k3_ops.warmup``: every Triton variant
-compiled and its launch handle cached, so capture compiles nothing and allocates only in the graph pool), compile the model (fullgraph, dynamic, unbacked token dim), run it a few times on a side
-stream, capture one step per static batch size into a graph, then per step copy fresh inputs into the
-static input buffer and replay.
+compiled and its launch handle cached, so capture compiles nothing and allocates only in the graph pool),
+compile the model (fullgraph, dynamic, unbacked token dim), run it a few times on a side stream, capture one step
+per static batch size into a graph, then per step copy fresh inputs into the static input buffer and replay.
 
 Checked per replay: the output and the bank equal the same compiled call run without a graph, bit for bit,
 and eager on the same input within bf16 noise (Inductor fuses the norms and adds of the stack with its own
@@ -20,11 +20,11 @@ import math
 
 import pytest
 import torch
-from test_model_graph import ToyK3Model, make_input, mark_tokens_unbacked
 
 import k3_ops
 
 from conftest import requires_cuda
+from test_model_graph import ToyK3Model, make_input, mark_tokens_unbacked
 
 HIDDEN = 1024  # small, but a multi-warp row per token
 NUM_LAYERS = 7  # snapshots at layers 0, 3, 6: K runs 0..3

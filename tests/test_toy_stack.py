@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused import NORM_RTOL, bits
 
 import k3_ops
 from k3_ops.testing import assert_close
 
+from test_fused import NORM_RTOL, bits
 from toy_k3 import ToyK3, ToyK3Config, Trace
 
 CONFIGS = [
