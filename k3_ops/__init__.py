@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (first: loads libtorch / libc10, which _C links against)
 
-from . import _C  # noqa: F401  (defines the kimi_k3 schemas and Meta kernels)
-from . import _registration  # noqa: F401  (attaches CPU / CUDA / PrivateUse1 kernels)
+# _C defines the kimi_k3 schemas and Meta kernels; _registration then attaches the CPU / CUDA / PrivateUse1 kernels.
+from . import _C, _registration  # noqa: F401
 from .ops import apply_attn_res, attn_res, fused_attn_res, warmup
 
 __version__ = "0.1.0"

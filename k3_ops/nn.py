@@ -14,7 +14,6 @@ code specialises on it once, not per step.
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -59,16 +58,17 @@ class ResidualBank(nn.Module):
         dtype, device: of the storage (the model's activation dtype).
 
     The storage is allocated once here, as a non-persistent module buffer (it follows ``.to(device)`` and stays
-    out of the state dict); nothing reallocates it per step. ``buffer`` is its 3-D view. ``view(T)`` hands out the logical [T, C, H] view
-    of its first T token rows (for block-major storage, ``buffer.narrow(1, 0, T).transpose(0, 1)``): a view, never a
-    copy. Slots ``>= num_valid_blocks`` hold stale or uninitialised data and are never read by the ops.
+    out of the state dict); nothing reallocates it per step. ``buffer`` is its 3-D view. ``view(T)`` hands out the
+    logical [T, C, H] view of its first T token rows (for block-major storage,
+    ``buffer.narrow(1, 0, T).transpose(0, 1)``): a view, never a copy. Slots ``>= num_valid_blocks`` hold stale or
+    uninitialised data and are never read by the ops.
 
     Per step: ``reset()``, then each snapshot either ``append(prefix)`` (unfused: a copy into the next free
     slot) or ``AttnRes.fused(..., snapshot=True)`` (the op writes the slot, the bank counts it).
     """
 
     def __init__(self, max_num_tokens: int, capacity: int, hidden_size: int, *, layout: str = "tokenmajor",
-                 dtype: Optional[torch.dtype] = None, device=None) -> None:
+                 dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -103,7 +103,7 @@ class ResidualBank(nn.Module):
         """Start a new step: no valid blocks. The storage is kept as it is (no fill, no reallocation)."""
         self.num_valid_blocks = 0
 
-    def view(self, num_tokens: Union[int, torch.SymInt]) -> torch.Tensor:
+    def view(self, num_tokens: int | torch.SymInt) -> torch.Tensor:
         """[num_tokens, C, H] view of the storage (strided for block-major storage); shares its memory."""
         if torch.compiler.is_compiling():
             # A Python `if` on a symbolic token count would be a guard (data-dependent, i.e. an error, when
@@ -147,11 +147,11 @@ class ResidualBank(nn.Module):
                 f"layout={self.layout!r}, dtype={self.buffer.dtype}, num_valid_blocks={self.num_valid_blocks}")
 
 
-BankOrBuffer = Union[ResidualBank, torch.Tensor]
+BankOrBuffer = ResidualBank | torch.Tensor
 
 
 def _blocks_and_count(prefix_sum: torch.Tensor, bank_or_buffer: BankOrBuffer,
-                      num_valid_blocks: Optional[int]) -> tuple[torch.Tensor, int]:
+                      num_valid_blocks: int | None) -> tuple[torch.Tensor, int]:
     if isinstance(bank_or_buffer, ResidualBank):
         if num_valid_blocks is not None:
             raise TypeError(f"num_valid_blocks must be None when a ResidualBank is passed (the bank counts its "
@@ -185,7 +185,7 @@ class AttnRes(nn.Module):
         return self.norm.variance_epsilon
 
     def forward(self, prefix_sum: torch.Tensor, bank_or_buffer: BankOrBuffer,
-                num_valid_blocks: Optional[int] = None) -> torch.Tensor:
+                num_valid_blocks: int | None = None) -> torch.Tensor:
         """``attn_res(prefix_sum, blocks, norm.weight, proj.weight, K, eps)``.
 
         prefix_sum: [T, H] (bf16 / fp16 / fp32 / fp64, any strides). Returns a new contiguous [T, H] tensor
@@ -196,8 +196,8 @@ class AttnRes(nn.Module):
                                                    self.eps)
 
     def fused(self, prefix_sum: torch.Tensor, bank_or_buffer: BankOrBuffer,
-              num_valid_blocks: Optional[int] = None, *, addend: Optional[torch.Tensor] = None,
-              snapshot: bool = False, out_norm: Optional[nn.Module] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              num_valid_blocks: int | None = None, *, addend: torch.Tensor | None = None,
+              snapshot: bool = False, out_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The serving variant (``kimi_k3::fused_attn_res``): residual add, snapshot, mix, output norm.
 
         Args:

@@ -12,7 +12,7 @@ Only the valid prefix block_residual[:, :K] is ever read: the slice is taken bef
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

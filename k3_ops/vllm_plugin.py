@@ -27,7 +27,6 @@ import logging
 import os
 import threading
 from types import ModuleType
-from typing import Union
 
 import torch
 
@@ -67,7 +66,7 @@ def _modules_to_patch() -> list[str]:
     return [name.strip() for name in os.environ.get(PATCH_ENV, "").split(",") if name.strip()]
 
 
-def patch_apply_attn_res(module: Union[str, ModuleType]) -> ModuleType:
+def patch_apply_attn_res(module: str | ModuleType) -> ModuleType:
     """Replace ``module._apply_attn_res`` with :func:`apply_attn_res` (the module or its dotted name).
 
     Idempotent. The module must already define ``_apply_attn_res`` (so that a typo in the module name or a

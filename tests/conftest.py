@@ -37,7 +37,7 @@ class Sample:
     def id(self) -> str:
         return f"T{self.T}-K{self.K}-cap{self.cap}-H{self.H}-{DTYPE_NAMES[self.dtype]}-{self.layout}"
 
-    def with_(self, **kw) -> "Sample":
+    def with_(self, **kw) -> Sample:
         return replace(self, **kw)
 
     def make(self, device: str | torch.device = "cpu", seed: int = 0, requires_grad: bool = False) -> dict:

@@ -28,8 +28,7 @@ from k3_ops import _C, reference
 from k3_ops.backends import next_power_of_2
 from k3_ops.testing import assert_accuracy_contract, error_stats
 
-from conftest import (Sample, bits_equal, grad_out_for, positional, requires_cuda, requires_interpreter,
-                      sample_params)
+from conftest import Sample, bits_equal, grad_out_for, positional, requires_cuda, requires_interpreter, sample_params
 
 BWD = torch.ops.kimi_k3.attn_res_backward.default
 FULL = [True, True, True]
@@ -44,8 +43,9 @@ def policy_backward(policy: str, *args, **kw):
     if policy.startswith("cuda"):
         from k3_ops.backends import cuda
 
-        small = dict(stats_programs_per_sm=3, apply_programs_per_sm=5,
-                     apply_block=max(16, next_power_of_2(args[0].size(-1)) // 4)) if args[0].device.type == "cpu" else {}
+        small = (dict(stats_programs_per_sm=3, apply_programs_per_sm=5,
+                      apply_block=max(16, next_power_of_2(args[0].size(-1)) // 4))
+                 if args[0].device.type == "cpu" else {})
         forced = {"cuda-rows": dict(kernel="rows"), "cuda-tiles": dict(kernel="tiles"),
                   "cuda-stats-apply": dict(kernel="stats_apply", **small),
                   "cuda-single-read": dict(kernel="single_read"),
@@ -149,8 +149,9 @@ def test_cuda_backward_plan_resolution():
     assert cuda.choose_backward_plan(3, 8, 7168, cpu, forced).num_programs == 3, "never more token ranges than tokens"
     # The C++ kernel never runs under the interpreter: asking for it gets the Triton choice of "auto".
     assert not cuda.single_read_supported(8, 7168, cpu)
-    assert cuda.choose_backward_plan(4096, 8, 7168, cpu, cuda.BackwardConfig(kernel="single_read")).kernel == "stats_apply"
-    assert cuda.choose_backward_plan(64, 8, 7168, cpu, cuda.BackwardConfig(kernel="single_read")).kernel == "rows"
+    single_read = cuda.BackwardConfig(kernel="single_read")
+    assert cuda.choose_backward_plan(4096, 8, 7168, cpu, single_read).kernel == "stats_apply"
+    assert cuda.choose_backward_plan(64, 8, 7168, cpu, single_read).kernel == "rows"
     rows = cuda.choose_backward_plan(4096, 8, 7168, cpu, cuda.BackwardConfig(kernel="rows"))
     assert (rows.kernel, rows.block_h, rows.k_pad, rows.num_programs) == ("rows", 8192, 16, sms)
     assert (dict(rows.launch_options)["num_warps"], rows.num_stages) == cuda.BACKWARD_KERNEL_DEFAULTS["rows"]
@@ -558,7 +559,7 @@ def _spy_backward_launch(monkeypatch) -> list:
 @requires_interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize("sample", sample_params(NPU_CASES))
-def test_simulated_npu_backward_op(simulated_npu, sample: Sample, monkeypatch):
+def test_simulated_npu_backward_op(simulated_npu, sample: Sample, monkeypatch):  # noqa: F811  (the fixture)
     # torch.ops.kimi_k3.attn_res_backward on PrivateUse1 tensors: dispatcher -> PrivateUse1 kernel -> NPU launch
     # policy (through the seam) -> Triton under the interpreter; outputs on the device, contract against the truth.
     calls = _spy_backward_launch(monkeypatch)
@@ -602,7 +603,7 @@ def test_simulated_npu_autograd():
 @pytest.mark.interpreter
 @pytest.mark.skipif("os.environ.get('K3_OPS_SIMULATED_NPU_AUTOGRAD_CHILD') != '1'",
                     reason="runs inside test_simulated_npu_autograd's fresh interpreter only (see there)")
-def test_simulated_npu_autograd_child(simulated_npu, monkeypatch):
+def test_simulated_npu_autograd_child(simulated_npu, monkeypatch):  # noqa: F811  (the fixture)
     # Gradients on the "npu" device: the registered autograd formula runs the NPU backward kernel and the
     # gradients land on the device, with every input's shape and dtype.
     # Simulation limit: a view recorded by autograd / ADInplaceOrView of a wrapper tensor (.detach(), or the

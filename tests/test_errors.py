@@ -4,7 +4,7 @@ which names the argument, the rule and the actual value."""
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch

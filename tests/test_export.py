@@ -107,5 +107,5 @@ def test_export_toy_stack_with_bank_mutation(fused: bool):
                 assert torch.equal(got, want), f"T={t}"
                 assert torch.equal(got_bank.view(torch.int32), want_bank.view(torch.int32)), f"T={t}"
             else:
-                torch.testing.assert_close(got, want, msg=lambda m: f"T={t}: {m}")
-                torch.testing.assert_close(got_bank, want_bank, equal_nan=True, msg=lambda m: f"T={t}: {m}")
+                torch.testing.assert_close(got, want, msg=lambda m, t=t: f"T={t}: {m}")
+                torch.testing.assert_close(got_bank, want_bank, equal_nan=True, msg=lambda m, t=t: f"T={t}: {m}")

@@ -327,7 +327,8 @@ BAD = {
                           r"block_write_idx must be -1 \(no snapshot\) or in \[num_valid_blocks=3, "
                           r"block_residual.size\(1\)=8\), got 2"),
     "write_idx_at_capacity": (lambda a: a.update(block_write_idx=8), ValueError,
-                              r"block_write_idx must be -1 .* or in \[num_valid_blocks=3, block_residual.size\(1\)=8\), got 8"),
+                              r"block_write_idx must be -1 .* or in \[num_valid_blocks=3, "
+                              r"block_residual.size\(1\)=8\), got 8"),
     "write_idx_minus_2": (lambda a: a.update(block_write_idx=-2), ValueError, r"block_write_idx must be -1 .* got -2"),
     "addend_hidden": (lambda a: a.update(addend=a["addend"].new_zeros(7, 65)), ValueError,
                       r"addend.size\(1\) must equal prefix_sum.size\(1\)=64 \(hidden size\), got 65"),

@@ -14,7 +14,6 @@ from conftest import Sample, requires_cuda, requires_interpreter
 from test_fused import NORM_RTOL, FusedCase, _truncate_to_bf16, bits, positional
 from test_npu_simulated import NpuTensor, simulated_npu  # noqa: F401  (the fixture)
 
-
 #: Forced launch configurations per path: the per-token kernel with one- and two-row tiles (the decode default is
 #: four), the rows kernel with its row held in registers (prefetch 1) and pipelined through shared memory
 #: (prefetch 0, the large-T default), and the split kernel.
@@ -164,7 +163,7 @@ CUDA_CASES = [
 def test_cuda_paths(case: FusedCase, path: str, pdl: str, monkeypatch):
     from k3_ops.backends import cuda
 
-    if pdl == "0" and not FORCED[path]["kernel"] in ("token", "rows"):
+    if pdl == "0" and FORCED[path]["kernel"] not in ("token", "rows"):
         pytest.skip("PDL is a token / rows path option")
     monkeypatch.setenv("K3_OPS_PDL", pdl)
     cuda.clear_plan_cache()

@@ -1,9 +1,9 @@
 """Graph capture of the compiled toy K3 stack: CUDA graphs on an NVIDIA GPU, NPUGraph (ACLGraph) on Ascend.
 
 What a serving engine does for decode: warm the kernels up (``k3_ops.warmup``: every Triton variant
-compiled and its launch handle cached, so capture compiles nothing and allocates only in the graph pool), compile the model (fullgraph, dynamic, unbacked token dim), run it a few times on a side
-stream, capture one step per static batch size into a graph, then per step copy fresh inputs into the
-static input buffer and replay.
+compiled and its launch handle cached, so capture compiles nothing and allocates only in the graph pool),
+compile the model (fullgraph, dynamic, unbacked token dim), run it a few times on a side stream, capture one step
+per static batch size into a graph, then per step copy fresh inputs into the static input buffer and replay.
 
 Checked per replay: the output and the bank equal the same compiled call run without a graph, bit for bit,
 and eager on the same input within bf16 noise (Inductor fuses the norms and adds of the stack with its own
@@ -108,11 +108,11 @@ def _capture_and_replay(device: torch.device, backend_module, graph_cls, graph_c
             # move the softmax weights of later layers (H200: up to 0.12 absolute in 0.3 % of the elements).
             with torch.no_grad():
                 want = eager(x)
-            torch.testing.assert_close(got, want, atol=0.25, rtol=5e-2, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(got, want, atol=0.25, rtol=5e-2, msg=lambda m, what=what: f"{what}: {m}")
             got_bank, want_bank = model.bank.view(T), eager.bank.view(T)
             used = eager.bank.num_valid_blocks
             torch.testing.assert_close(got_bank[:, :used], want_bank[:, :used], atol=0.25, rtol=5e-2,
-                                       msg=lambda m: f"{what}, bank: {m}")
+                                       msg=lambda m, what=what: f"{what}, bank: {m}")
             assert got_bank[:, spare].isnan().all(), f"{what}: the spare slot was written"
             assert model.bank.storage.data_ptr() == storage_ptr, f"{what}: the bank storage was reallocated"
 

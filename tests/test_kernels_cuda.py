@@ -15,7 +15,7 @@ import k3_ops
 from k3_ops import reference
 from k3_ops.testing import assert_accuracy_contract
 
-from conftest import SAMPLES, Sample, requires_cuda, sample_params
+from conftest import Sample, requires_cuda, sample_params
 
 pytestmark = [requires_cuda, pytest.mark.cuda]
 

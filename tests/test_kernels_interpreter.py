@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from k3_ops import reference
-from k3_ops.testing import assert_accuracy_contract, error_stats
+from k3_ops.testing import assert_accuracy_contract
 
 from conftest import Sample, requires_interpreter
 

@@ -292,7 +292,7 @@ def test_compiled_stack_one_graph_no_recompile_equals_eager(variant, mode):
             got = _run_compiled(model, mode, T, compiled)
         first_compile = counter.frame_count if first_compile is None else first_compile
         want = eager(make_input(T))
-        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"T={T}: {m}")
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, T=T: f"T={T}: {m}")
         # The bank holds the same snapshots: the in-place writes survived functionalization.
         assert torch.equal(model.bank.view(T).view(torch.int32), eager.bank.view(T).view(torch.int32)), f"T={T}"
     assert counter.frame_count == first_compile, f"backend called again after T={TOKEN_COUNTS[0]}"
@@ -328,9 +328,9 @@ def test_inductor_compiled_stack_no_recompile_close_to_eager(variant, mode):
     for i, T in enumerate(TOKEN_COUNTS):
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             got = _run_compiled(model, mode, T, compiled)
-        torch.testing.assert_close(got, eager(make_input(T)), msg=lambda m: f"T={T}: {m}")
+        torch.testing.assert_close(got, eager(make_input(T)), msg=lambda m, T=T: f"T={T}: {m}")
         torch.testing.assert_close(model.bank.view(T), eager.bank.view(T), equal_nan=True,
-                                   msg=lambda m: f"T={T}, bank: {m}")
+                                   msg=lambda m, T=T: f"T={T}, bank: {m}")
 
 
 @torch.no_grad()

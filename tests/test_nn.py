@@ -208,7 +208,8 @@ def test_bad_arguments_are_rejected_with_the_value():
     with torch.no_grad():
         with pytest.raises(TypeError, match=r"num_valid_blocks is required .* got None"):
             m(torch.zeros(3, 16), bank.view(3))
-        with pytest.raises(TypeError, match=r"num_valid_blocks must be None when a ResidualBank is passed .*: 2\), got 1"):
+        with pytest.raises(TypeError,
+                           match=r"num_valid_blocks must be None when a ResidualBank is passed .*: 2\), got 1"):
             m(torch.zeros(3, 16), bank, 1)
         with pytest.raises(RuntimeError, match=r"ResidualBank is full"):
             m.fused(torch.zeros(3, 16), bank, snapshot=True)

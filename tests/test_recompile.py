@@ -177,7 +177,6 @@ def test_warmup_covers_the_default_table(recorders):
 def test_cuda_compiled_variants():
     # The real thing: count compiled kernels in the JITFunctions' device caches.
     from k3_ops.backends import cuda
-    from k3_ops.kernels import attn_res_fwd
 
     def count():
         return {name: sum(len(c[0]) for c in getattr(_kernel_module(name), name).device_caches.values())

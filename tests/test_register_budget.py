@@ -5,7 +5,7 @@ register file caps (docs/kernels.md, docs/benchmarks.md). A change that makes th
 memory can cost 3x (the fused kernel did, at ~1 KB per thread) and no CPU test would notice. So: compile the
 default plans (read from the live launch table and backward config) for sm_90 with the ptxas Triton itself
 picks for sm_90, as tools/ptxas_info.py does, and check registers and spills. It runs in a subprocess because
-the test session runs Triton in interpreter mode. Skips where this triton has no CUDA ptxas. The figures move
+the pytest process runs Triton in interpreter mode. Skips where this triton has no CUDA ptxas. The figures move
 with the Triton release (its code generation and its ptxas): the comments below give what each one measured.
 The CUDA C++ backward (csrc_cuda/) is compiled the same way with nvcc where a CUDA toolkit is installed (its
 tests skip elsewhere).

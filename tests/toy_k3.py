@@ -124,17 +124,17 @@ class ToyK3:
         c, norm = self.config, norm or self.rms_norm
         trace: Trace = []
         K, prefix = 0, x
-        for l, p in enumerate(self.layers):
+        for i, p in enumerate(self.layers):
             h = prefix if K == 0 else k3_ops.attn_res(prefix, buf, p.attn_res_norm, p.attn_res_proj, K, c.eps)
-            if l % c.block_size == 0:
+            if i % c.block_size == 0:
                 buf[:, K].copy_(prefix)
                 K, prefix = K + 1, None
             h = norm(h, p.input_layernorm)
-            trace.append((f"layer{l}.attn_in", h))
+            trace.append((f"layer{i}.attn_in", h))
             a = self.attn(p, h)
             prefix = a if prefix is None else prefix + a
             h = norm(k3_ops.attn_res(prefix, buf, p.mlp_res_norm, p.mlp_res_proj, K, c.eps), p.post_attention_layernorm)
-            trace.append((f"layer{l}.mlp_in", h))
+            trace.append((f"layer{i}.mlp_in", h))
             prefix = prefix + self.mlp(p, h)
         h = k3_ops.attn_res(prefix, buf, self.final_res_norm, self.final_res_proj, K, c.eps)
         trace.append(("final", norm(h, self.final_norm)))
@@ -147,19 +147,19 @@ class ToyK3:
         c = self.config
         trace: Trace = []
         K, prefix, pending = 0, x, None  # pending: the MLP output not yet added to prefix
-        for l, p in enumerate(self.layers):
-            snapshot = l % c.block_size == 0
+        for i, p in enumerate(self.layers):
+            snapshot = i % c.block_size == 0
             h, new_prefix = fused(prefix, pending, buf, p.attn_res_norm, p.attn_res_proj, K, c.eps,
                                   block_write_idx=K if snapshot else -1, out_norm_weight=p.input_layernorm,
                                   out_norm_eps=c.norm_eps)
             if snapshot:  # new_prefix is now block K; the next prefix starts from the attention output
                 K += 1
-            trace.append((f"layer{l}.attn_in", h))
+            trace.append((f"layer{i}.attn_in", h))
             a = self.attn(p, h)
             base, addend = (a, None) if snapshot else (new_prefix, a)
             h, prefix = fused(base, addend, buf, p.mlp_res_norm, p.mlp_res_proj, K, c.eps,
                               out_norm_weight=p.post_attention_layernorm, out_norm_eps=c.norm_eps)
-            trace.append((f"layer{l}.mlp_in", h))
+            trace.append((f"layer{i}.mlp_in", h))
             pending = self.mlp(p, h)
         out, _ = fused(prefix, pending, buf, self.final_res_norm, self.final_res_proj, K, c.eps,
                        out_norm_weight=self.final_norm, out_norm_eps=c.norm_eps)

@@ -3,8 +3,8 @@
 For each ``BackwardConfig`` (JSON ``{"name": {knobs}}`` or ``@file``, as ``python -m k3_ops.bench train
 --bwd-configs``) and each shape below, runs the CUDA policy's backward and prints, per output, kernel error /
 eager-FP32 error against the float64 truth (max-abs and mean-abs; the contract is <= 1.25 for both,
-tests/test_backward_kernels.py). Large T matters here: a program accumulates dw over T / (SMs x programs_per_sm) tokens, so FP32 accumulation would show
-its error growth only at serving-size T. Usage (on a GPU):
+tests/test_backward_kernels.py). Large T matters here: a program accumulates dw over T / (SMs x programs_per_sm)
+tokens, so FP32 accumulation would show its error growth only at serving-size T. Usage (on a GPU):
     python tools/bwd_accuracy.py '{"fp32": {"acc64": false}}' [--json out.json]
 """
 from __future__ import annotations

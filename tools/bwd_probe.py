@@ -6,7 +6,8 @@ k3_ops.bench train --bwd-configs``; "default" is always included): the whole bac
 ``k3_ops.bench.train.backward_bytes``), and the device time per kernel from ``torch.profiler`` (so the two kernels of
 "stats_apply" show their shares). A config may also set "REDUCE_BLOCK_P" / "REDUCE_BLOCK_H" (the weight-gradient
 reduction's tile, module constants of k3_ops.backends._backward, set for that config's timings only). Usage (on a GPU):
-    python tools/bwd_probe.py '{"split": {"kernel": "stats_apply"}}' [--tokens 4096,16384] [--blocks 1,8] [--json out.json]
+    python tools/bwd_probe.py '{"split": {"kernel": "stats_apply"}}' [--tokens 4096,16384] [--blocks 1,8] \
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from k3_ops.bench import Timer, train  # noqa: E402
 from k3_ops.backends import _backward, cuda  # noqa: E402
+from k3_ops.bench import Timer, train  # noqa: E402
 
 REDUCE_KNOBS = ("REDUCE_BLOCK_P", "REDUCE_BLOCK_H")
 
@@ -80,8 +81,8 @@ def main(argv: list[str]) -> int:
                 for k, v in {**defaults, **reduce_tiles.get(name, {})}.items():
                     setattr(_backward, k, v)
 
-                def fn(cfg=cfg):
-                    return cuda.attn_res_backward(gy, prefix, blocks, nw, pw, K, 1e-6, mask, config=cfg)
+                def fn(cfg=cfg, args=(gy, prefix, blocks, nw, pw, K)):
+                    return cuda.attn_res_backward(*args, 1e-6, mask, config=cfg)
                 # Same gradients as the default config (to within its rounding): a wrong variant is not timed.
                 out = fn()
                 if ref_out is None:
@@ -93,7 +94,8 @@ def main(argv: list[str]) -> int:
                 kt = kernel_times(fn)
                 frac = nbytes / (us * 1e-6) / bw
                 gpu_us = sum(kt.values())  # device time of the kernels alone (no host launch gaps)
-                parts = "  ".join(f"{k.split('_kernel')[0].replace('attn_res_bwd_', '')}={v:.0f}" for k, v in kt.items())
+                parts = "  ".join(f"{k.split('_kernel')[0].replace('attn_res_bwd_', '')}={v:.0f}"
+                                  for k, v in kt.items())
                 print(f"T={T:6d} K={K} H={H} {name:14s} {us:7.1f} us of BW {frac:.3f} | kernels {gpu_us:7.1f} us of BW "
                       f"{nbytes / (gpu_us * 1e-6) / bw:.3f} [{parts}] dev {dev_max:.1e}", flush=True)
                 results.append(dict(T=T, K=K, H=H, config=name, us=us, of_bw=frac, kernels_us=kt, kernels_sum_us=gpu_us,

@@ -50,8 +50,8 @@ def main(argv: list[str]) -> int:
     end.record()
     host_us = (time.perf_counter() - t0) / a.iters * 1e6
     torch.cuda.synchronize()
-    print(f"T={T} K={K} H={H}: host {host_us:.1f} us per step (enqueue), device {start.elapsed_time(end) * 1e3 / a.iters:.1f}"
-          f" us per step (burst)")
+    device_us = start.elapsed_time(end) * 1e3 / a.iters
+    print(f"T={T} K={K} H={H}: host {host_us:.1f} us per step (enqueue), device {device_us:.1f} us per step (burst)")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.iters):

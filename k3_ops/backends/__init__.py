@@ -66,8 +66,9 @@ def trivial_attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, nor
 def prepare_weights(norm_weight: torch.Tensor, proj_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The two [H] weight vectors as the kernels load them: contiguous, in a dtype the kernels read.
 
-    ``proj_weight`` [1, H] is read as [H] (a contiguous [1, H] is passed as it is). Weights of dtypes other than bf16/fp16/fp32 are cast to fp32
-    (a tiny [H] op); the kernels fold ``w = norm_weight * proj_weight`` in FP32 themselves. Both are no-ops
+    ``proj_weight`` [1, H] is read as [H] (a contiguous [1, H] is passed as it is). Weights of dtypes other than
+    bf16/fp16/fp32 are cast to fp32 (a tiny [H] op); the kernels fold ``w = norm_weight * proj_weight`` in FP32
+    themselves. Both are no-ops
     (no copy, no launch) for the usual contiguous bf16/fp16/fp32 parameters.
     """
     def one(t: torch.Tensor) -> torch.Tensor:

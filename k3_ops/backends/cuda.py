@@ -613,9 +613,9 @@ ROWS_BACKWARD_MAX_H = 8192
 BACKWARD_KERNEL_DEFAULTS = {"rows": (8, 2), "stats_apply": (1, 3), "tiles": (8, 3)}
 
 #: "auto" picks the stats/apply split from this many token-candidate rows, T x (K + 1), on: the smallest shape
-#: measured on the H200 with the 1-warp split (318af1a), T = 4096, K = 1, where the split beat the
-#: rows kernel by 1.26x under plain launches (1.28x in kernel time), though that op is near host-bound there
-#: (the training benchmark read 266-565 us for it in three runs); below it, unmeasured, the rows kernel's single launch (the
+#: measured on the H200 with the 1-warp split (318af1a), T = 4096, K = 1, where the split beat the rows kernel by
+#: 1.26x under plain launches (1.28x in kernel time), though that op is near host-bound there (the training
+#: benchmark read 266-565 us for it in three runs); below it, unmeasured, the rows kernel's single launch (the
 #: split's four launches cost host time that small shapes do not hide).
 SPLIT_BACKWARD_MIN_ROWS = 8192
 

@@ -39,8 +39,15 @@ import torch
 import triton
 
 from ..kernels import attn_res_fwd as _fwd
-from . import TRITON_COMPILE_OPTIONS, hidden_strided, next_power_of_2, prepare_weights, stride_vec, trivial_attn_res
-from . import _backward
+from . import (
+    TRITON_COMPILE_OPTIONS,
+    _backward,
+    hidden_strided,
+    next_power_of_2,
+    prepare_weights,
+    stride_vec,
+    trivial_attn_res,
+)
 from ._fused import FusedArgs as _FusedArgs
 from ._fused import fused_hidden_dims, fused_kernel_args, fused_token_strides, trivial_fused_attn_res
 

@@ -39,15 +39,15 @@ class Options:
     refs: bool = True  # time the reference formulas (eager FP32 formula, torch.compile of it) where a section has them
     max_ref_tokens: int | None = None  # skip the reference formulas above this T
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
-    extra: dict = field(default_factory=dict)  # section-specific settings (e.g. launch configs)
+    extra: dict = field(default_factory=dict)  # section-specific settings (the layer section's "layers")
 
     def resolved(self) -> Options:
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return replace(self, device=device)
+        """These options with the device filled in: CUDA when present, else the CPU."""
+        return replace(self, device=self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return torch.device(self.resolved().device)
 
     @property
     def io_dtype(self) -> torch.dtype:

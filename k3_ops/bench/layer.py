@@ -18,7 +18,7 @@ from .common import EPS, Ops, Options, environment, k3_ops_ops, progress, site_w
 from .timing import Timer
 
 DEFAULTS = {
-    "all": {"hidden": 7168, "capacity": 9, "layouts": ["token"], "blocks": None},
+    "all": {"hidden": 7168, "capacity": 9, "layouts": ["token"]},
     "gpu": {"tokens": [1, 8, 64, 512]},
     "cpu": {"tokens": [1, 8]},
     "quick": {"tokens": [1]},
