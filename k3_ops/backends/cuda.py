@@ -5,9 +5,9 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
 
 - **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens except where the split is):
   ``kernels/attn_res_decode.py``, one program per token streaming its K block rows in [ROWS, next_pow2(H)] tiles
-  through an online softmax, the prefix candidate folded in last; every row read once, no workspace. With programmatic dependent launch (PDL) on
-  sm_90+: a captured chain of calls overlaps each launch with its predecessor's tail (``K3_OPS_PDL=0`` turns it
-  off).
+  through an online softmax, the prefix candidate folded in last; every row read once, no workspace. With
+  programmatic dependent launch (PDL) on sm_90+: a captured chain of calls overlaps each launch with its
+  predecessor's tail (``K3_OPS_PDL=0`` turns it off).
 - **rows** (large T): a persistent grid (``ctas_per_sm`` programs per SM); each program streams the candidate rows
   of its tokens (tokens pid, pid + grid, ...) as one continuous, prefetched sequence through a [next_pow2(H)]
   hidden tile with ``cols < H`` masks and an online softmax. Each candidate row is read once in its native dtype;
@@ -47,8 +47,16 @@ import triton
 
 from ..kernels import attn_res_decode as _decode
 from ..kernels import attn_res_fwd as _fwd
-from . import (TRITON_COMPILE_OPTIONS, _backward, _launch, hidden_strided, next_power_of_2, prepare_weights, stride_vec,
-               trivial_attn_res)
+from . import (
+    TRITON_COMPILE_OPTIONS,
+    _backward,
+    _launch,
+    hidden_strided,
+    next_power_of_2,
+    prepare_weights,
+    stride_vec,
+    trivial_attn_res,
+)
 from ._fused import FusedArgs as _FusedArgs
 from ._fused import fused_hidden_dims, fused_kernel_args, fused_token_strides, trivial_fused_attn_res
 
@@ -151,7 +159,9 @@ class LaunchConfig:
     kernel: "token", "rows", "split" or "tiles".
     num_warps: warps per program; None derives it from the tile size.
     rows_per_tile: token path only, block rows per [ROWS, BLOCK_H] tile (a power of two).
-    num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads.
+    num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads (each stage
+        past the first holds a tile in shared memory: (num_stages - 1) x rows_per_tile x next_pow2(H) x itemsize
+        bytes on the token path, which must fit the device's opt-in, 227 KB on an H200).
     pdl: token and rows paths: programmatic dependent launch; None = ``pdl_enabled(device)``.
     ctas_per_sm: rows path only, persistent programs per SM (the grid is min(T, SMs x ctas_per_sm)).
     tokens_per_prog: tiles path only, tokens handled by one program.
@@ -362,6 +372,11 @@ def attn_res_forward(prefix_sum: torch.Tensor, block_residual: torch.Tensor, nor
 def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int, eps: float,
                     fused: _FusedArgs | None = None) -> None:
     T, H = prefix_sum.shape
+    if H > 1 and prefix_sum.stride(1) != 1 and plan.kernel in ("token", "rows"):
+        # A hidden-strided prefix row is copied (a [T, H] copy) so that the kernel reads it with the unit-stride
+        # layout: the strided variant would reduce in another order and give other bits than the same values
+        # passed contiguously.
+        prefix_sum = prefix_sum.contiguous()
     ps_t, ps_h = prefix_sum.stride()
     bs_t, bs_c, bs_h = block_residual.stride()
     os_t = out.stride(0)

@@ -29,9 +29,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attn_res_fwd import (_FUSED_INTS, _RUNTIME_INTS, _acc_full, _add_addend, _block_row_ptrs, _fused_epilogue,
-                           _load_folded_weight, _online_update, _prefix_row_ptrs, _score, _stats, _store_out,
-                           gdc_launch_dependents_if, gdc_wait_if)
+from .attn_res_fwd import (
+    _FUSED_INTS,
+    _RUNTIME_INTS,
+    _acc_full,
+    _add_addend,
+    _block_row_ptrs,
+    _fused_epilogue,
+    _load_folded_weight,
+    _online_update,
+    _prefix_row_ptrs,
+    _score,
+    _stats,
+    _store_out,
+    gdc_launch_dependents_if,
+    gdc_wait_if,
+)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + _FUSED_INTS)
@@ -54,7 +67,7 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         v = _add_addend(v, addend_ptr, t, cols, hmask, stride_at, stride_ah, VEC, H_STRIDED)
     r = tl.arange(0, ROWS)
     m = _acc_full([], -float("inf"), ACC64)
-    l = _acc_full([], 0.0, ACC64)
+    l_sum = _acc_full([], 0.0, ACC64)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.range(0, tl.cdiv(K, ROWS), num_stages=NUM_STAGES):
         i = j * ROWS + r
@@ -69,11 +82,11 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new)
         acc = acc * alpha.to(tl.float32) + tl.sum(p.to(tl.float32)[:, None] * x, axis=0)
-        l = l * alpha + tl.sum(p, axis=0)
+        l_sum = l_sum * alpha + tl.sum(p, axis=0)
         m = m_new
     # The prefix candidate, last.
-    m, l, acc = _online_update(v.to(tl.float32), w, m, l, acc, H, eps, ACC64)
-    mix = acc / l.to(tl.float32)
+    m, l_sum, acc = _online_update(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64)
+    mix = acc / l_sum.to(tl.float32)
     if FUSED:
         _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, t, cols, hmask, mix, v, K, H, out_eps, stride_ot,
                         stride_nt, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT, OUT_NORM)

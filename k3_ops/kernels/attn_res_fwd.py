@@ -213,7 +213,7 @@ def _load_candidate_row(prefix_ptr, blocks_ptr, t, i, K, cols, hmask, stride_pt,
 
 
 @triton.jit
-def _online_update(x, w, m, l, acc, H, eps, ACC64: tl.constexpr):
+def _online_update(x, w, m, l_sum, acc, H, eps, ACC64: tl.constexpr):
     # One candidate row into the online softmax: rescale the running sum when the running max grows.
     ss, d = _stats(x, w, 0, ACC64)
     s = _score(ss, d, H, eps, ACC64)
@@ -221,8 +221,8 @@ def _online_update(x, w, m, l, acc, H, eps, ACC64: tl.constexpr):
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new)
     acc = acc * alpha.to(tl.float32) + p.to(tl.float32) * x
-    l = l * alpha + p
-    return m_new, l, acc
+    l_sum = l_sum * alpha + p
+    return m_new, l_sum, acc
 
 
 @triton.jit
@@ -279,7 +279,7 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
     w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
     steps = ((T - pid + nprog - 1) // nprog) * (K + 1)
     m = _acc_full([], -float("inf"), ACC64)
-    l = _acc_full([], 0.0, ACC64)
+    l_sum = _acc_full([], 0.0, ACC64)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     if PREFETCH == 0:
         # Let Triton's software pipeliner stage the row loads (cp.async into shared memory, NUM_STAGES deep)
@@ -289,17 +289,17 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
                                   stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC,
                                   H_STRIDED, HAS_ADDEND)
             x = xr.to(tl.float32)
-            m, l, acc = _online_update(x, w, m, l, acc, H, eps, ACC64)
+            m, l_sum, acc = _online_update(x, w, m, l_sum, acc, H, eps, ACC64)
             if j % (K + 1) == K:
                 if FUSED:
                     _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, pid + (j // (K + 1)) * nprog, cols, hmask,
-                                    acc / l.to(tl.float32), xr, K, H, out_eps, stride_ot, stride_nt, stride_bt,
-                                    stride_bc, stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT, OUT_NORM)
+                                    acc / l_sum.to(tl.float32), xr, K, H, out_eps, stride_ot, stride_nt,
+                                    stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT, OUT_NORM)
                 else:
-                    _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l.to(tl.float32),
+                    _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l_sum.to(tl.float32),
                                stride_ot, VEC)
                 m = _acc_full([], -float("inf"), ACC64)
-                l = _acc_full([], 0.0, ACC64)
+                l_sum = _acc_full([], 0.0, ACC64)
                 acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         return
     v = _load_step_fused(prefix_ptr, blocks_ptr, addend_ptr, pid, nprog, 0, steps, K, cols, hmask, stride_pt,
@@ -312,18 +312,18 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
         vn = _load_step_fused(prefix_ptr, blocks_ptr, addend_ptr, pid, nprog, j + PREFETCH, steps, K, cols, hmask,
                               stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC,
                               H_STRIDED, HAS_ADDEND)
-        m, l, acc = _online_update(v.to(tl.float32), w, m, l, acc, H, eps, ACC64)
+        m, l_sum, acc = _online_update(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64)
         if j % (K + 1) == K:
             # Last candidate of a token: write its row, start the next token's softmax.
             if FUSED:
                 _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, pid + (j // (K + 1)) * nprog, cols, hmask,
-                                acc / l.to(tl.float32), v, K, H, out_eps, stride_ot, stride_nt, stride_bt, stride_bc,
-                                stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT, OUT_NORM)
+                                acc / l_sum.to(tl.float32), v, K, H, out_eps, stride_ot, stride_nt, stride_bt,
+                                stride_bc, stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT, OUT_NORM)
             else:
-                _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l.to(tl.float32), stride_ot,
+                _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l_sum.to(tl.float32), stride_ot,
                            VEC)
             m = _acc_full([], -float("inf"), ACC64)
-            l = _acc_full([], 0.0, ACC64)
+            l_sum = _acc_full([], 0.0, ACC64)
             acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         if PREFETCH == 2:
             v = v1
