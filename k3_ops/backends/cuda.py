@@ -12,7 +12,7 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
   of its tokens (tokens pid, pid + grid, ...) as one continuous, prefetched sequence through a [next_pow2(H)]
   hidden tile with ``cols < H`` masks and an online softmax. Each candidate row is read once in its native dtype;
   each output row is written once; the folded weight is read once per program. Any K.
-- **split** (the default for T <= 4 and K >= 2; K + 1 <= 16, larger K goes to the token path): H split into
+- **split** (the default for T <= 4 and K = 5..8; K + 1 <= 16, larger K goes to the token path): H split into
   P = cdiv(H, chunk) programs per token, each holding a [K_PAD, chunk] tile of all candidates in registers;
   partial (sum v^2, <v, w>) per chunk are written by a first launch and combined by a second (a third scales the
   output norm). The partials live in a buffer allocated per call from the caching allocator, like an output.
@@ -218,8 +218,9 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
 
 def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     # From one H200 sweep (docs/benchmarks.md, "Plain mix"; bf16, H = 7168, graph replay):
-    # - T <= 4, K >= 2: the split path: more SMs per token than one program can use, its partials in a per-call
-    #   buffer between two launches (T = 1, K = 8: 4.7 us against 5.7 for the best per-token tile).
+    # - T <= 4, K = 5..8: the split path: more SMs per token than one program can use, its partials in a per-call
+    #   buffer between two launches (T = 1, K = 8: 4.7 us against 5.7 for the best per-token tile; at K = 4 the
+    #   split's second launch costs more than it saves: 5.4 us against 4.0). T <= 4, K = 2: 2-row tiles.
     # - K = 1 up to 256 tokens, and every K at 129-256 tokens: one program per token, one row at a time, 4 warps,
     #   3 stages (T = 1, K = 1: 2.9 us).
     # - K >= 2 at 5-128 tokens: one program per token, tiles of 4 block rows, 8 warps, no software pipelining (a
@@ -229,8 +230,10 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 /
     #   0.826 of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the
     #   plan, spills <= 96 bytes pipelined against ~1 KB with prefetch 1 (tools/ptxas_info.py).
-    if t_bucket <= 4 and k_bucket > 1:
+    if t_bucket <= 4 and k_bucket == 8:
         return LaunchConfig(kernel="split", chunk=512)
+    if t_bucket <= 4 and k_bucket == 2:
+        return LaunchConfig(kernel="token", rows_per_tile=2, num_warps=8, num_stages=3)
     if t_bucket <= 128 and k_bucket > 1:
         return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
     if t_bucket <= TOKEN_MAX_T:
