@@ -229,7 +229,7 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   need ~255 registers per thread, so exactly two 4-warp programs fit an SM. It stages its rows through shared
     #   memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 /
     #   0.826 of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the
-    #   plan, spills <= 96 bytes pipelined against ~1 KB with prefetch 1 (tools/ptxas_info.py).
+    #   plan, spills 80-132 bytes pipelined (triton 3.6-3.9) against ~1 KB with prefetch 1 (tools/ptxas_info.py).
     if t_bucket <= 4 and k_bucket == 8:
         return LaunchConfig(kernel="split", chunk=512)
     if t_bucket <= 4 and k_bucket == 2:
