@@ -1,4 +1,4 @@
-"""Attach device kernels (and, in later sections, autograd) to the kimi_k3 schemas.
+"""Attach device kernels to the kimi_k3 schemas (their autograd is C++: csrc_meta/autograd.cpp).
 
 The schemas and Meta kernels live in C++ (csrc_meta/library.cpp) and are loaded with k3_ops._C.
 This module is the only place that binds Python kernels to dispatch keys:
@@ -156,39 +156,6 @@ _lib.impl("attn_res_backward", _attn_res_backward_cuda, "CUDA")
 _lib.impl("attn_res_backward", _attn_res_backward_npu, "PrivateUse1")
 
 
-def _attn_res_setup_context(ctx, inputs, output):
-    # Only the inputs are saved: the backward recomputes r, d and p per token instead of keeping the
-    # [T, K+1, H] FP32 intermediates an eager graph would hold. save_for_backward (not ctx attributes) so
-    # that an in-place write to an input before backward is caught by autograd's version counter.
-    prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps = inputs
-    ctx.save_for_backward(prefix_sum, block_residual, norm_weight, proj_weight)
-    ctx.num_valid_blocks = num_valid_blocks
-    ctx.eps = eps
+# Autograd of attn_res and attn_res_backward lives in C++ (csrc_meta/autograd.cpp): a Python Autograd kernel would
+# run, and redispatch through Python, on every call with or without grad.
 
-
-def _attn_res_backward(ctx, grad_out):
-    prefix_sum, block_residual, norm_weight, proj_weight = ctx.saved_tensors
-    need_prefix, need_blocks, need_norm, need_proj = ctx.needs_input_grad[:4]
-    # grad_weight is dL/dw of the folded w = norm_weight * proj_weight; ask for it only if a weight needs it.
-    grad_prefix, grad_blocks, grad_w = torch.ops.kimi_k3.attn_res_backward.default(
-        grad_out, prefix_sum, block_residual, norm_weight, proj_weight, ctx.num_valid_blocks, ctx.eps,
-        [need_prefix, need_blocks, need_norm or need_proj])
-    # Chain rule through the fold, in the compute dtype, then each cast to its parameter's dtype and shape.
-    grad_norm = (grad_w * proj_weight.reshape(-1).to(grad_w.dtype)).to(norm_weight.dtype) if need_norm else None
-    grad_proj = ((grad_w * norm_weight.to(grad_w.dtype)).reshape(proj_weight.shape).to(proj_weight.dtype)
-                 if need_proj else None)
-    return (grad_prefix if need_prefix else None, grad_blocks if need_blocks else None, grad_norm, grad_proj,
-            None, None)
-
-
-def _attn_res_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "kimi_k3::attn_res does not support double backward: kimi_k3::attn_res_backward has no derivative "
-        "(asked for by create_graph=True followed by a second backward, e.g. a gradient penalty or "
-        "Hessian-vector product). For second-order gradients differentiate the plain PyTorch formula "
-        "k3_ops.reference.attn_res_reference instead of the fused op.")
-
-
-torch.library.register_autograd("kimi_k3::attn_res", _attn_res_backward, setup_context=_attn_res_setup_context,
-                                lib=_lib)
-torch.library.register_autograd("kimi_k3::attn_res_backward", _attn_res_double_backward, lib=_lib)

@@ -1,0 +1,142 @@
+// Autograd of kimi_k3::attn_res and kimi_k3::attn_res_backward, in C++.
+//
+// Why C++: an Autograd kernel registered from Python (torch.library.register_autograd) runs on every call, with
+// or without grad, and redispatches to the device kernel through Python again: about 18 us of host time per call
+// on the H200, more than the decode-size kernel itself (docs/benchmarks.md, "Host cost of an eager call"). Here
+// the Autograd key costs a C++ function call and the device kernel is reached by one redispatch.
+//
+// attn_res: saves only its four tensor inputs (the backward recomputes r, d and p per token instead of keeping
+// [T, K + 1, H] FP32 intermediates) and calls kimi_k3::attn_res_backward, asking only for the gradients some input
+// needs; the folded weight's gradient is split by the chain rule through w = norm_weight * proj_weight in the
+// compute dtype, then cast to each parameter's dtype and shape. Everything the backward does is an op call, so it
+// traces under torch.compile / AOTAutograd. attn_res_backward has no derivative: differentiating it (double
+// backward) raises a message that says what to use instead.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <array>
+#include <stdexcept>
+#include <tuple>
+
+namespace k3_ops {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor call_attn_res(const at::Tensor& prefix_sum, const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                         const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kimi_k3::attn_res", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         int64_t, double)>();
+  return op.call(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attn_res_backward(
+    const at::Tensor& grad_out, const at::Tensor& prefix_sum, const at::Tensor& block_residual,
+    const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+    std::array<bool, 3> output_mask) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kimi_k3::attn_res_backward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, int64_t, double, std::array<bool, 3>)>();
+  return op.call(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, output_mask);
+}
+
+class AttnResBackwardFunction : public torch::autograd::Function<AttnResBackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_out, const at::Tensor& prefix_sum,
+                               const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                               const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                               std::array<bool, 3> output_mask) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [gp, gb, gw] = call_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                               num_valid_blocks, eps, output_mask);
+    return {gp, gb, gw};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    throw std::runtime_error(
+        "kimi_k3::attn_res does not support double backward: kimi_k3::attn_res_backward has no derivative "
+        "(asked for by create_graph=True followed by a second backward, e.g. a gradient penalty or "
+        "Hessian-vector product). For second-order gradients differentiate the plain PyTorch formula "
+        "k3_ops.reference.attn_res_reference instead of the fused op.");
+  }
+};
+
+class AttnResFunction : public torch::autograd::Function<AttnResFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& prefix_sum, const at::Tensor& block_residual,
+                            const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks,
+                            double eps) {
+    at::Tensor out;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      out = call_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
+    }
+    // save_for_backward (not plain members) so that an in-place write to an input before backward is caught by
+    // autograd's version counter.
+    ctx->save_for_backward({prefix_sum, block_residual, norm_weight, proj_weight});
+    ctx->saved_data["num_valid_blocks"] = num_valid_blocks;
+    ctx->saved_data["eps"] = eps;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool need_prefix = ctx->needs_input_grad(0), need_blocks = ctx->needs_input_grad(1);
+    const bool need_norm = ctx->needs_input_grad(2), need_proj = ctx->needs_input_grad(3);
+    const at::Tensor& grad_out = grads[0];
+    if (!grad_out.defined()) {
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &prefix_sum = saved[0], &block_residual = saved[1], &norm_weight = saved[2],
+                     &proj_weight = saved[3];
+    // Through the op's own Autograd kernel (AttnResBackwardFunction), so that create_graph=True records a node
+    // whose backward refuses clearly.
+    auto outs = AttnResBackwardFunction::apply(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                               ctx->saved_data["num_valid_blocks"].toInt(),
+                                               ctx->saved_data["eps"].toDouble(),
+                                               std::array<bool, 3>{need_prefix, need_blocks, need_norm || need_proj});
+    const at::Tensor& grad_w = outs[2];
+    at::Tensor grad_norm, grad_proj;
+    if (need_norm) {
+      grad_norm = (grad_w * proj_weight.reshape({-1}).to(grad_w.scalar_type())).to(norm_weight.scalar_type());
+    }
+    if (need_proj) {
+      grad_proj = (grad_w * norm_weight.to(grad_w.scalar_type()))
+                      .reshape_symint(proj_weight.sym_sizes())
+                      .to(proj_weight.scalar_type());
+    }
+    return {need_prefix ? outs[0] : at::Tensor(), need_blocks ? outs[1] : at::Tensor(), grad_norm, grad_proj,
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor attn_res_autograd(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
+                             const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks,
+                             double eps) {
+  return AttnResFunction::apply(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_res_backward_autograd(
+    const at::Tensor& grad_out, const at::Tensor& prefix_sum, const at::Tensor& block_residual,
+    const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+    std::array<bool, 3> output_mask) {
+  auto outs = AttnResBackwardFunction::apply(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                             num_valid_blocks, eps, output_mask);
+  return {outs[0], outs[1], outs[2]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kimi_k3, Autograd, m) {
+  m.impl("attn_res", &attn_res_autograd);
+  m.impl("attn_res_backward", &attn_res_backward_autograd);
+}
+
+}  // namespace k3_ops
