@@ -12,6 +12,7 @@ grad_block_residual.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ import triton
 
 from .. import reference
 from ..kernels import attn_res_bwd as _bwd
-from . import TRITON_COMPILE_OPTIONS, hidden_strided, next_power_of_2, prepare_weights, stride_vec
+from . import TRITON_COMPILE_OPTIONS, _launch, hidden_strided, next_power_of_2, prepare_weights, stride_vec
 
 __all__ = ["BackwardPlan", "trivial_attn_res_backward", "run_attn_res_backward", "REDUCE_BLOCK_P",
            "REDUCE_BLOCK_H"]
@@ -131,6 +132,8 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
     gp = raw(grad_prefix) if want_prefix else gy
     gb = raw(grad_blocks) if want_blocks else gy
     h_strided = hidden_strided((x, 1), (blocks, 2))
+    # The Triton interpreter (CPU tensors, or TRITON_INTERPRET=1) launches through the JIT every time.
+    interpreted = x.device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") == "1"
     vec = stride_vec(x.dtype, (x.stride(0), blocks.stride(0), blocks.stride(1), gy.stride(0), H, C * H))
     args = (gy, x, blocks, raw(nw), raw(pw), gp, gb, raw(ws) if want_w else gy,
             T, K, C, H, float(eps), tokens_per_prog,
@@ -171,12 +174,17 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
                                     plan.vectors_per_thread)
     elif plan.kernel == "rows":
         assert plan.block_h >= H and not plan.df, "the rows backward holds a whole row and has no DF variant"
-        _bwd.attn_res_bwd_rows_kernel[(programs,)](*args, **flags)
+        _launch.launch(_bwd.attn_res_bwd_rows_kernel, (programs,), args, {}, (plan, *flags.items()), lambda: flags,
+                       ntensors=8, interpreted=interpreted)
     else:
-        _bwd.attn_res_bwd_kernel[(programs,)](*args, DF=plan.df and not plan.acc64, **flags)
+        tiles_flags = dict(flags, DF=plan.df and not plan.acc64)
+        _launch.launch(_bwd.attn_res_bwd_kernel, (programs,), args, {}, (plan, *tiles_flags.items()),
+                       lambda: tiles_flags, ntensors=8, interpreted=interpreted)
     if want_w:
         block = min(REDUCE_BLOCK_H, next_power_of_2(H))
-        _bwd.attn_res_bwd_dw_reduce_kernel[(triton.cdiv(H, block),)](
-            raw(ws), raw(grad_w), programs, H, BLOCK_P=REDUCE_BLOCK_P, BLOCK_H=block,
-            **dict(plan.reduce_options or plan.launch_options), **compile_options)
+        reduce_flags = dict(BLOCK_P=REDUCE_BLOCK_P, BLOCK_H=block, **dict(plan.reduce_options or plan.launch_options),
+                            **compile_options)
+        _launch.launch(_bwd.attn_res_bwd_dw_reduce_kernel, (triton.cdiv(H, block),),
+                       (raw(ws), raw(grad_w), programs, H), {}, (plan, block), lambda: reduce_flags, ntensors=2,
+                       interpreted=interpreted)
     return grad_prefix, grad_blocks, grad_w

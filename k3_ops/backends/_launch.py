@@ -8,11 +8,11 @@ the kernel and returns its ``CompiledKernel``) and afterwards calls the compiled
 the arguments in the kernel's parameter order.
 
 The key is everything Triton itself specialises on for these kernels: the kernel, its constexprs and launch
-options, each tensor argument's dtype and 16-byte alignment (Triton assumes the alignment a pointer had when it
-compiled), which optional arguments are None, and the plain ints that are not in ``do_not_specialize`` (the
-caller passes them in ``key``). Token counts, K and strides are runtime ints of these kernels (never specialised),
-so they never enter the key: a cached launch serves every T and K, which is what makes ``warmup`` cover graph
-capture (capture then only reuses cached handles).
+options (the caller's ``key``), each tensor argument's dtype and 16-byte alignment (Triton assumes the alignment a
+pointer had when it compiled), which optional arguments are None, and for every int parameter not in
+``do_not_specialize`` whether it is 1 or a multiple of 16. Token counts, K and strides are runtime ints of these
+kernels (in ``do_not_specialize``), so they never enter the key: a cached launch serves every T and K, which is
+what makes ``warmup`` cover graph capture (capture then only reuses cached handles).
 
 Where the direct launch is not known to match the installed Triton's launcher convention (the Triton interpreter,
 Triton < 3.3 such as triton-ascend 3.2), ``launch`` calls the JIT launch every time: the same arguments, the same
@@ -66,6 +66,21 @@ class _Compiled:
             self.defaults[self.index[name]] = None
 
 
+_specialised: dict[int, frozenset] = {}
+
+
+def _specialised_ints(kernel) -> frozenset:
+    """Positions and names of the parameters Triton specialises when they are ints (1, or a multiple of 16):
+    every non-constexpr parameter not in the kernel's ``do_not_specialize``. Their specialisation is part of the
+    cache key, so no cached launch ever runs a variant compiled for another value class."""
+    spec = _specialised.get(id(kernel))
+    if spec is None:
+        params = getattr(kernel, "params", [])
+        spec = _specialised[id(kernel)] = frozenset(
+            x for i, p in enumerate(params) if not p.is_constexpr and not p.do_not_specialize for x in (i, p.name))
+    return spec
+
+
 def _hooked(hook) -> bool:
     # A launch hook is set: a callable, or a non-empty chain (Triton >= 3.4 keeps an always-present HookChain).
     if hook is None:
@@ -90,8 +105,8 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any], k
 
     args: the leading positional arguments, of which the first ``ntensors`` are tensors (the others ints and
     floats, never specialised by these kernels). kwargs: further runtime arguments by name (tensors or None, ints,
-    floats). key: a hashable tuple identifying the compile-time configuration (the plan's compile key plus any
-    specialised int such as H); with the tensors' dtypes and alignments it identifies the compiled variant.
+    floats). key: a hashable tuple identifying the compile-time configuration (constexprs and launch options);
+    with the tensors' dtypes and alignments and the specialised ints it identifies the compiled variant.
     constexprs: builds the compile-time arguments and launch options (num_warps, ...) for ``key``; called only
     when the variant is not cached yet (or under the interpreter). interpreted: run through the JIT every time
     (the Triton interpreter). stream: the raw stream to launch on (CUDA: the current stream of the tensors'
@@ -100,8 +115,11 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any], k
     if interpreted or not direct_launch_supported():
         kernel[grid](*args, **kwargs, **constexprs())
         return
+    specialised = _specialised_ints(kernel)
     full_key = (id(kernel), key, *[(a.dtype, a.data_ptr() % 16 == 0) for a in args[:ntensors]],
-                *[(k, _arg_key(v)) for k, v in kwargs.items()])
+                *[(k, _arg_key(v)) for k, v in kwargs.items()],
+                *[(v == 1, v % 16 == 0) for i, v in enumerate(args) if i in specialised and isinstance(v, int)],
+                *[(v == 1, v % 16 == 0) for k, v in kwargs.items() if k in specialised and isinstance(v, int)])
     entry = _cache.get(full_key)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs, **constexprs())
