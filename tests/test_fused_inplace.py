@@ -625,3 +625,44 @@ def test_detector_sees_the_copies_when_reinplacing_is_off(fresh_compile, monkeyp
     if not findings and Version(torch.__version__.split("+")[0]) < Version("2.13"):
         pytest.skip(f"torch {torch.__version__} reinplaces elsewhere too (see tests/test_fused_compile.py)")
     assert findings, "with reinplacing off the checks should see the functionalization copies:\n" + codes[0]
+
+
+# --- CUDA: model-sized shapes, and one kernel launch per call ----------------------------------------------
+CUDA_CASES = [
+    ServingCase(FusedCase(S(1, 4, 9, 7168), norm="own")),
+    ServingCase(FusedCase(S(8, 8, 9, 7168), write="none", norm="own"), out_dtype=torch.float8_e4m3fn),
+    ServingCase(FusedCase(S(64, 3, 9, 7168, layout="blockmajor"), norm="own", views=True),
+                out_dtype=torch.float8_e4m3fn),
+    ServingCase(FusedCase(S(300, 8, 9, 7168), write="none", norm="own"), out_dtype=torch.float8_e4m3fnuz),
+    ServingCase(FusedCase(S(33, 2, 5, 4096, torch.float32), norm="own"), round_mix=True),
+    ServingCase(FusedCase(S(5, 0, 9, 7168), addend=False, norm="own"), out_dtype=torch.float8_e4m3fn),
+]
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", case_params(CUDA_CASES))
+def test_inplace_contract_cuda_shapes(case: ServingCase):
+    args = case.make("cuda")
+    before = snapshot_args(args)
+    out, scale = run_inplace(case, args)
+    check_serving(case, before, args, out, scale,
+                  lambda: run_inplace(replace(case, out_dtype=None), case.make("cuda"))[0])
+    if case.fused.norm != "none":
+        test_fp32_mix_norm_accuracy(case, "cuda")  # the accuracy contract at this shape
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("out_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("T", [1, 8, 64, 4096], ids=lambda t: f"T{t}")
+def test_kernel_launches_per_inplace_call(T: int, out_dtype):
+    """One kernel per call: the in-place add, the snapshot, the mix, the norm and the FP8 epilogue all happen in
+    it (allocations issue no kernel)."""
+    from test_fused_kernels import _kernel_launches
+
+    case = ServingCase(FusedCase(S(T, 8, 9, 7168), norm="own"), out_dtype=out_dtype)
+    case = replace(case, fused=replace(case.fused, write="none"))
+    args = case.make("cuda")
+    n = _kernel_launches(lambda: run_inplace(case, args))
+    assert n == 1, f"{case.id}: {n} kernel launches per fused_attn_res_ call"
