@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -444,6 +446,27 @@ def _toy_model_class(layout: str, compiled: bool):
     return support_torch_compile(dynamic_arg_dims={"hidden_states": 0})(ToyK3) if compiled else ToyK3
 
 
+class _CodeCapture(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.codes: list[str] = []
+
+    def emit(self, record):
+        self.codes.append(record.getMessage())
+
+
+def _capture_output_code() -> list[str]:
+    """The wrapper code Inductor generates from here on (torch's output_code log artifact), as a list to read."""
+    capture = _CodeCapture()
+    torch._logging.set_logs(output_code=True)
+    logging.getLogger("torch._inductor.codecache.__output_code").addHandler(capture)
+    _captures.append(capture)
+    return capture.codes
+
+
+_captures: list[_CodeCapture] = []
+
+
 @pytest.fixture
 def vllm_compile_env(monkeypatch, tmp_path):
     # A fresh compile every time (no on-disk artifacts from an earlier run), in this test's own cache directory.
@@ -455,6 +478,9 @@ def vllm_compile_env(monkeypatch, tmp_path):
     _define_c_stand_ins()
     yield
     torch._dynamo.reset()
+    while _captures:
+        logging.getLogger("torch._inductor.codecache.__output_code").removeHandler(_captures.pop())
+    torch._logging.set_logs()
 
 
 @pytest.mark.parametrize("layout", ["nvidia", "amd"])
@@ -480,6 +506,7 @@ def test_toy_k3_under_vllm_compile(vllm_compile_env, layout: str):
         device_config=DeviceConfig("cpu"))
     with set_current_vllm_config(config):
         model = compiled_cls(vllm_config=config).to(torch.bfloat16)
+    generated = _capture_output_code()
     eager = eager_cls().to(torch.bfloat16)
     assert not model.do_not_compile
     counters.clear()
@@ -504,3 +531,9 @@ def test_toy_k3_under_vllm_compile(vllm_compile_env, layout: str):
         assert now == seen, f"T={T}: vLLM compiled again ({seen} -> {now})"
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 1, dict(counters["stats"])
+    # The pieces Inductor generated call fused_attn_res_ on the pieces' inputs (the running prefix, the buffer):
+    # vLLM's FixFunctionalizationPass leaves the op to Inductor's reinplacing, and no piece clones or copies.
+    calls = [line for code in generated for line in code.splitlines() if "kimi_k3.fused_attn_res_.default(" in line]
+    assert len(calls) == 2 * _TOY_LAYERS + 1, len(calls)  # every mix has a delta, a snapshot or a norm
+    assert not [line for code in generated for line in code.splitlines()
+                if re.search(r"\bclone\b|\.copy_\(|aten\.copy", line)], "a piece copies a tensor"
