@@ -16,10 +16,10 @@ idempotent and thread-safe.
 
 The drop-ins, each with the signature and semantics of the vLLM function it replaces:
 
-- :func:`attn_res` for ``vllm.models.kimi_k3.nvidia.ops.attn_res`` (what ``nvidia/model.py`` calls, on CUDA, CPU
-  and vLLM-Ascend; with the AMD ops module's ``quant_dtype`` keyword too): one ``kimi_k3::fused_attn_res_`` call,
+- :func:`attn_res` for ``vllm.models.kimi_k3.nvidia.ops.attn_res`` (what ``nvidia/model.py`` calls, on CUDA, CPU,
+  XPU and vLLM-Ascend; with the AMD ops module's ``quant_dtype`` keyword too): one ``kimi_k3::fused_attn_res_`` call,
   the prefix updated in place, the output norm of the FP32 mix.
-- :func:`apply_attn_res` for ``vllm.models.kimi_k3.amd.linear._apply_attn_res`` (ROCm and XPU), returning the FP8
+- :func:`apply_attn_res` for ``vllm.models.kimi_k3.amd.linear._apply_attn_res`` (ROCm), returning the FP8
   pair ``(data, scale)`` where vLLM returns a ``QuantizedActivation``; :func:`apply_attn_res_vllm` wraps the pair
   into vLLM's ``QuantizedActivation`` and is what the patch installs.
 
@@ -55,8 +55,8 @@ PATCH_ENV = "K3_OPS_PATCH_ATTN_RES"
 LEGACY_PATCH_ENV = "K3_OPS_PATCH_APPLY_ATTN_RES"
 #: The attributes a patched module may define, in the order they are looked for.
 PATCH_ATTRIBUTES = ("_apply_attn_res", "attn_res")
-_MODULE_HINT = ("vllm.models.kimi_k3.nvidia.model (CUDA, CPU, vLLM-Ascend) or vllm.models.kimi_k3.amd.linear "
-                "(ROCm, XPU)")
+_MODULE_HINT = ("vllm.models.kimi_k3.nvidia.model (CUDA, CPU, XPU, vLLM-Ascend) or vllm.models.kimi_k3.amd.linear "
+                "(ROCm)")
 _OPS = ("attn_res", "attn_res_backward", "fused_attn_res", "fused_attn_res_")
 
 _lock = threading.Lock()
