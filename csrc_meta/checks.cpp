@@ -54,6 +54,9 @@ struct Concrete {
   static bool ge(Int a, int64_t b) { return a >= b; }
   static bool gt(Int a, int64_t b) { return a > b; }
   static std::string str(Int v) { return std::to_string(v); }
+  // A dimension of more than one element with stride 0 (an expand()ed view): writing it would write one
+  // memory location many times.
+  static bool broadcast(const at::Tensor& t, int64_t d) { return t.size(d) > 1 && t.stride(d) == 0; }
 };
 
 // Symbolic (Meta kernels under tracing): SymInts; comparisons that dynamo cannot decide without a guard on
@@ -69,6 +72,13 @@ struct Symbolic {
       return std::to_string(*i);
     }
     return v.toSymNodeImplUnowned()->str();
+  }
+  // Decided only where the trace knows it without a guard: a stride that is 0 and a size known to exceed 1
+  // (a symbolic stride or size is left to the eager check, which sees the real tensor).
+  static bool broadcast(const at::Tensor& t, int64_t d) {
+    const auto stride = t.sym_stride(d).maybe_as_int();
+    const auto size = t.sym_size(d).maybe_as_int();
+    return stride && *stride == 0 && size && *size > 1;
   }
 };
 
@@ -99,6 +109,8 @@ std::string dtype_name(at::ScalarType t) {
     case at::kComplexDouble: return "torch.complex128";
     case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
     case at::kFloat8_e5m2: return "torch.float8_e5m2";
+    case at::kFloat8_e4m3fnuz: return "torch.float8_e4m3fnuz";
+    case at::kFloat8_e5m2fnuz: return "torch.float8_e5m2fnuz";
     default: return std::string("torch.") + c10::toString(t);
   }
 }
@@ -240,6 +252,46 @@ Verdict fused_attn_res_rules(const at::Tensor& prefix_sum, const c10::optional<a
   return std::nullopt;
 }
 
+// The FP8 output formats of the serving ops: the two e4m3 variants serving engines quantize activations to
+// (float8_e4m3fn on NVIDIA, float8_e4m3fnuz on AMD MI300); each output row gets a dynamic per-token scale.
+bool is_fp8_out_dtype(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e4m3fnuz; }
+
+template <typename P>
+Verdict fused_attn_res_quant_rules(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                   const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                   const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                   int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                   c10::optional<double> out_norm_eps, at::ScalarType out_dtype) {
+  K3_FIRST(fused_attn_res_rules<P>(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                   eps, block_write_idx, out_norm_weight, out_norm_eps));
+  K3_TYPE_RULE(is_fp8_out_dtype(out_dtype), "out_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got ",
+               dtype_name(out_dtype));
+  return std::nullopt;
+}
+
+template <typename P>
+Verdict fused_attn_res_inplace_rules(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                     const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                     const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                     int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                     c10::optional<double> out_norm_eps, c10::optional<at::ScalarType> out_dtype) {
+  K3_FIRST(fused_attn_res_rules<P>(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                   eps, block_write_idx, out_norm_weight, out_norm_eps));
+  if (out_dtype.has_value()) {
+    K3_TYPE_RULE(is_fp8_out_dtype(*out_dtype), "out_dtype must be None, torch.float8_e4m3fn or torch.float8_e4m3fnuz, "
+                 "got ", dtype_name(*out_dtype));
+  }
+  if (addend.has_value()) {
+    // round(prefix_sum + addend) is stored back into prefix_sum, one element per location.
+    for (int64_t d = 0; d < 2; ++d) {
+      K3_VALUE_RULE(!P::broadcast(prefix_sum, d), "prefix_sum is written in place (an addend is given) and must not "
+                    "be a broadcast view, got prefix_sum.stride(", d, ")=0 with prefix_sum.size(", d, ")=",
+                    P::str(P::size(prefix_sum, d)));
+    }
+  }
+  return std::nullopt;
+}
+
 // Trace time: raise the violation as the matching Python exception type.
 void raise(const Verdict& v) {
   if (!v) {
@@ -275,6 +327,27 @@ Verdict fused_attn_res_violation(const at::Tensor& prefix_sum, const c10::option
                                         num_valid_blocks, eps, block_write_idx, out_norm_weight, out_norm_eps);
 }
 
+Verdict fused_attn_res_quant_violation(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                       const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                       const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                       int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                       c10::optional<double> out_norm_eps, at::ScalarType out_dtype) {
+  return fused_attn_res_quant_rules<Concrete>(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                              num_valid_blocks, eps, block_write_idx, out_norm_weight, out_norm_eps,
+                                              out_dtype);
+}
+
+Verdict fused_attn_res_inplace_violation(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                         const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                         const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                         int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                         c10::optional<double> out_norm_eps,
+                                         c10::optional<at::ScalarType> out_dtype) {
+  return fused_attn_res_inplace_rules<Concrete>(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                                num_valid_blocks, eps, block_write_idx, out_norm_weight,
+                                                out_norm_eps, out_dtype);
+}
+
 void check_attn_res_args(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
                          const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks,
                          double eps) {
@@ -295,6 +368,26 @@ void check_fused_attn_res_args(const at::Tensor& prefix_sum, const c10::optional
                                c10::optional<double> out_norm_eps) {
   raise(fused_attn_res_rules<Symbolic>(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                        num_valid_blocks, eps, block_write_idx, out_norm_weight, out_norm_eps));
+}
+
+void check_fused_attn_res_quant_args(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                     const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                     const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                     int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                     c10::optional<double> out_norm_eps, at::ScalarType out_dtype) {
+  raise(fused_attn_res_quant_rules<Symbolic>(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                             num_valid_blocks, eps, block_write_idx, out_norm_weight, out_norm_eps,
+                                             out_dtype));
+}
+
+void check_fused_attn_res_inplace_args(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                       const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                       const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                       int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                       c10::optional<double> out_norm_eps, c10::optional<at::ScalarType> out_dtype) {
+  raise(fused_attn_res_inplace_rules<Symbolic>(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                               num_valid_blocks, eps, block_write_idx, out_norm_weight, out_norm_eps,
+                                               out_dtype));
 }
 
 }  // namespace k3_ops

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
 
 #include <optional>
@@ -40,6 +41,20 @@ Verdict fused_attn_res_violation(const at::Tensor& prefix_sum, const c10::option
                                  const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
                                  int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
                                  c10::optional<double> out_norm_eps);
+// fused_attn_res.quant: fused_attn_res's rules plus an FP8 out_dtype (required).
+Verdict fused_attn_res_quant_violation(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                       const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                       const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                       int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                       c10::optional<double> out_norm_eps, at::ScalarType out_dtype);
+// fused_attn_res_ (in place): fused_attn_res's rules, an optional FP8 out_dtype, and a prefix_sum that can be
+// written in place when an addend is given (no broadcast dimension).
+Verdict fused_attn_res_inplace_violation(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                         const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                         const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                         int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                         c10::optional<double> out_norm_eps,
+                                         c10::optional<at::ScalarType> out_dtype);
 
 // Trace time (Meta kernels): the same rules on symbolic sizes; raise the violation.
 void check_attn_res_args(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
@@ -53,5 +68,15 @@ void check_fused_attn_res_args(const at::Tensor& prefix_sum, const c10::optional
                                const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
                                int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
                                c10::optional<double> out_norm_eps);
+void check_fused_attn_res_quant_args(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                     const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                     const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                     int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                     c10::optional<double> out_norm_eps, at::ScalarType out_dtype);
+void check_fused_attn_res_inplace_args(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                       const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                       const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                       int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                       c10::optional<double> out_norm_eps, c10::optional<at::ScalarType> out_dtype);
 
 }  // namespace k3_ops

@@ -24,9 +24,11 @@ at::ScalarType compute_dtype(const at::Tensor& prefix_sum) {
   return prefix_sum.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-at::Tensor new_like_prefix(const at::Tensor& prefix_sum) {
-  // A new contiguous [T, H] tensor, whatever the strides of prefix_sum.
-  return at::empty_symint(prefix_sum.sym_sizes(), prefix_sum.options().memory_format(at::MemoryFormat::Contiguous));
+at::Tensor new_like_prefix(const at::Tensor& prefix_sum, c10::optional<at::ScalarType> dtype = c10::nullopt) {
+  // A new contiguous [T, H] tensor, whatever the strides of prefix_sum (of prefix_sum's dtype unless given).
+  return at::empty_symint(prefix_sum.sym_sizes(), prefix_sum.options()
+                                                      .dtype(dtype.value_or(prefix_sum.scalar_type()))
+                                                      .memory_format(at::MemoryFormat::Contiguous));
 }
 
 at::Tensor attn_res_meta(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
@@ -59,11 +61,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_res_backward_meta(
 std::tuple<at::Tensor, at::Tensor> fused_attn_res_meta(
     const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend, const at::Tensor& block_residual,
     const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
-    int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight, c10::optional<double> out_norm_eps) {
+    int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight, c10::optional<double> out_norm_eps,
+    bool round_mix) {
+  (void)round_mix;  // no rule: it only picks the output norm's rounding point
   check_fused_attn_res_args(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
                             block_write_idx, out_norm_weight, out_norm_eps);
   // block_residual is mutated in place (Tensor(a!)): nothing to allocate for it.
   return {new_like_prefix(prefix_sum), new_like_prefix(prefix_sum)};
+}
+
+// [T, 1] fp32: one dequantisation scale per token row of an FP8 output.
+at::Tensor token_scale_like(const at::Tensor& prefix_sum) {
+  return at::empty_symint({prefix_sum.sym_size(0), c10::SymInt(1)}, prefix_sum.options().dtype(at::kFloat));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attn_res_quant_meta(
+    const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend, const at::Tensor& block_residual,
+    const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+    int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight, c10::optional<double> out_norm_eps,
+    at::ScalarType out_dtype, bool round_mix) {
+  (void)round_mix;
+  check_fused_attn_res_quant_args(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                  eps, block_write_idx, out_norm_weight, out_norm_eps, out_dtype);
+  return {new_like_prefix(prefix_sum, out_dtype), new_like_prefix(prefix_sum), token_scale_like(prefix_sum)};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_attn_res_inplace_meta(
+    const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend, const at::Tensor& block_residual,
+    const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+    int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight, c10::optional<double> out_norm_eps,
+    c10::optional<at::ScalarType> out_dtype, bool round_mix) {
+  (void)round_mix;
+  check_fused_attn_res_inplace_args(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                    eps, block_write_idx, out_norm_weight, out_norm_eps, out_dtype);
+  // prefix_sum and block_residual are mutated in place (Tensor(a!), Tensor(b!)): nothing to allocate for them.
+  at::Tensor out = new_like_prefix(prefix_sum, out_dtype);
+  // Without an FP8 output there is no scale: an empty 1-D tensor (as attn_res_backward's unrequested outputs).
+  at::Tensor scale = out_dtype.has_value() ? token_scale_like(prefix_sum)
+                                           : at::empty_symint({c10::SymInt(0)}, prefix_sum.options().dtype(at::kFloat));
+  return {out, scale};
 }
 
 }  // namespace
@@ -86,7 +122,25 @@ TORCH_LIBRARY(kimi_k3, m) {
   m.def(
       "fused_attn_res(Tensor prefix_sum, Tensor? addend, Tensor(a!) block_residual, Tensor norm_weight, "
       "Tensor proj_weight, int num_valid_blocks, float eps, int block_write_idx=-1, "
-      "Tensor? out_norm_weight=None, float? out_norm_eps=None) -> (Tensor, Tensor)",
+      "Tensor? out_norm_weight=None, float? out_norm_eps=None, *, bool round_mix=True) -> (Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  // round_mix picks the output norm's rounding point in all three serving ops: True (default), the norm sees the
+  // dtype-rounded mix (fused == rms_norm(attn_res(...)) of the unfused ops); False, the FP32 mix (vLLM's kernels).
+  // fused_attn_res with an FP8 output (per-token dynamic scale): an overload, because it returns one tensor more,
+  // so that fused_attn_res's own returns, and every caller of them, stay as they were. docs/fused_attn_res.md.
+  m.def(
+      "fused_attn_res.quant(Tensor prefix_sum, Tensor? addend, Tensor(a!) block_residual, Tensor norm_weight, "
+      "Tensor proj_weight, int num_valid_blocks, float eps, int block_write_idx=-1, Tensor? out_norm_weight=None, "
+      "float? out_norm_eps=None, *, ScalarType out_dtype, bool round_mix=True) -> "
+      "(Tensor out, Tensor new_prefix, Tensor scale)",
+      {at::Tag::pt2_compliant_tag});
+  // The serving call as vLLM's Kimi K3 model makes it: round(prefix_sum + addend) is stored back INTO
+  // prefix_sum (the running residual, Tensor(a!)), then the snapshot (Tensor(b!)), mix, output norm and
+  // optional FP8 output as above. scale is [T, 1] fp32 with an FP8 out_dtype, else an empty [0].
+  m.def(
+      "fused_attn_res_(Tensor(a!) prefix_sum, Tensor? addend, Tensor(b!) block_residual, Tensor norm_weight, "
+      "Tensor proj_weight, int num_valid_blocks, float eps, int block_write_idx=-1, Tensor? out_norm_weight=None, "
+      "float? out_norm_eps=None, *, ScalarType? out_dtype=None, bool round_mix=True) -> (Tensor out, Tensor scale)",
       {at::Tag::pt2_compliant_tag});
 }
 
@@ -94,6 +148,8 @@ TORCH_LIBRARY_IMPL(kimi_k3, Meta, m) {
   m.impl("attn_res", &attn_res_meta);
   m.impl("attn_res_backward", &attn_res_backward_meta);
   m.impl("fused_attn_res", &fused_attn_res_meta);
+  m.impl("fused_attn_res.quant", &fused_attn_res_quant_meta);
+  m.impl("fused_attn_res_", &fused_attn_res_inplace_meta);
 }
 
 }  // namespace k3_ops

@@ -46,6 +46,26 @@ py::object check_fused_attn_res(const at::Tensor& prefix_sum, const c10::optiona
                                                     out_norm_eps));
 }
 
+py::object check_fused_attn_res_quant(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                      const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                      const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                      int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                      c10::optional<double> out_norm_eps, at::ScalarType out_dtype) {
+  return to_python(k3_ops::fused_attn_res_quant_violation(prefix_sum, addend, block_residual, norm_weight,
+                                                          proj_weight, num_valid_blocks, eps, block_write_idx,
+                                                          out_norm_weight, out_norm_eps, out_dtype));
+}
+
+py::object check_fused_attn_res_inplace(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                        const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                        const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                        int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                        c10::optional<double> out_norm_eps, c10::optional<at::ScalarType> out_dtype) {
+  return to_python(k3_ops::fused_attn_res_inplace_violation(prefix_sum, addend, block_residual, norm_weight,
+                                                            proj_weight, num_valid_blocks, eps, block_write_idx,
+                                                            out_norm_weight, out_norm_eps, out_dtype));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -63,6 +83,16 @@ PYBIND11_MODULE(_C, m) {
         py::arg("addend"), py::arg("block_residual"), py::arg("norm_weight"), py::arg("proj_weight"),
         py::arg("num_valid_blocks"), py::arg("eps"), py::arg("block_write_idx"), py::arg("out_norm_weight"),
         py::arg("out_norm_eps"));
+  m.def("check_fused_attn_res_quant", &check_fused_attn_res_quant,
+        "First fused_attn_res.quant argument rule broken, as (is_type_error, message), or None",
+        py::arg("prefix_sum"), py::arg("addend"), py::arg("block_residual"), py::arg("norm_weight"),
+        py::arg("proj_weight"), py::arg("num_valid_blocks"), py::arg("eps"), py::arg("block_write_idx"),
+        py::arg("out_norm_weight"), py::arg("out_norm_eps"), py::arg("out_dtype"));
+  m.def("check_fused_attn_res_inplace", &check_fused_attn_res_inplace,
+        "First fused_attn_res_ argument rule broken, as (is_type_error, message), or None", py::arg("prefix_sum"),
+        py::arg("addend"), py::arg("block_residual"), py::arg("norm_weight"), py::arg("proj_weight"),
+        py::arg("num_valid_blocks"), py::arg("eps"), py::arg("block_write_idx"), py::arg("out_norm_weight"),
+        py::arg("out_norm_eps"), py::arg("out_dtype"));
 #ifdef K3_WITH_CUDA
   // The CUDA C++ kernels (csrc_cuda/), present only in builds against a CUDA torch with a CUDA toolkit.
   k3_ops::register_cuda_functions(m);

@@ -54,72 +54,151 @@ _lib.impl("attn_res", _attn_res_cuda, "CUDA")
 _lib.impl("attn_res", _attn_res_npu, "PrivateUse1")
 
 
-# --- fused_attn_res: the serving variant ----------------------------------------------------------------
+# --- fused_attn_res and fused_attn_res.quant: the serving variant (out of place) ---------------------------
 # Kernels take the schema's arguments in order; the dispatcher may drop trailing arguments that equal
 # their defaults, hence the defaults here. Each checks before anything is written, so a rejected call
 # leaves block_residual untouched.
 def _fused_attn_res_cpu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
-                        block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
+                        block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, round_mix=True):
     args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
             out_norm_weight, out_norm_eps)
     _raise(_C.check_fused_attn_res(*args))
-    return reference.fused_attn_res_reference(*args)
+    return reference.fused_attn_res_reference(*args, round_mix=round_mix)
 
 
 def _fused_attn_res_cuda(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
-                         block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
+                         block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, round_mix=True):
     args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
             out_norm_weight, out_norm_eps)
     _raise(_C.check_fused_attn_res(*args))
     from .backends import cuda  # lazy: importing k3_ops never imports triton
 
-    return cuda.fused_attn_res(*args)
+    return cuda.fused_attn_res(*args, round_mix=round_mix)
 
 
 def _fused_attn_res_npu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
-                        block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
+                        block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, round_mix=True):
     args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
             out_norm_weight, out_norm_eps)
     _raise(_C.check_fused_attn_res(*args))
     from .backends import npu  # lazy: importing k3_ops never imports torch_npu or triton-ascend
 
-    return npu.fused_attn_res(*args)
+    return npu.fused_attn_res(*args, round_mix=round_mix)
 
 
-_FUSED_ARG_NAMES = [a.name for a in torch.ops.kimi_k3.fused_attn_res.default._schema.arguments]
+def _fused_attn_res_quant_cpu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                              block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, out_dtype,
+                              round_mix=True):
+    args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+            out_norm_weight, out_norm_eps)
+    _raise(_C.check_fused_attn_res_quant(*args, out_dtype))
+    return reference.fused_attn_res_quant_reference(*args, out_dtype=out_dtype, round_mix=round_mix)
 
 
-def _fused_attn_res_autograd(keyset, *args):
-    """fused_attn_res has no backward: it is the inference variant. Where autograd would have to record it
-    (grad mode on and an input requires grad) fail *before* anything is written, instead of returning
-    outputs that silently carry no gradient; otherwise run the device kernel below autograd (what opcheck
-    asks of a non-differentiable op)."""
-    if torch.is_grad_enabled():
-        needs_grad = [name for name, a in zip(_FUSED_ARG_NAMES, args)
-                      if isinstance(a, torch.Tensor) and a.requires_grad]
-        if needs_grad:
-            raise RuntimeError(
-                "kimi_k3::fused_attn_res is an inference op and has no backward, but "
-                f"{', '.join(needs_grad)} requires grad (with grad mode on); for training use k3_ops.attn_res "
-                "(differentiable) with the residual add, snapshot copy and RMSNorm as separate ops, or call "
-                "fused_attn_res under torch.no_grad() / torch.inference_mode()")
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.kimi_k3.fused_attn_res.default.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+def _fused_attn_res_quant_cuda(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                               block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, out_dtype,
+                               round_mix=True):
+    args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+            out_norm_weight, out_norm_eps)
+    _raise(_C.check_fused_attn_res_quant(*args, out_dtype))
+    from .backends import cuda  # lazy: importing k3_ops never imports triton
+
+    return cuda.fused_attn_res_quant(*args, out_dtype=out_dtype, round_mix=round_mix)
 
 
-def _fused_attn_res_inplace_or_view(keyset, *args):
-    # The schema's Tensor(a!): bump block_residual's version counter on every device, as torch does for its
-    # own in-place ops (a Triton store is invisible to autograd otherwise), then go on to the kernel.
-    torch.autograd.graph.increment_version(args[2])
-    return torch.ops.kimi_k3.fused_attn_res.default.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset,
-                                                               *args)
+def _fused_attn_res_quant_npu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                              block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, out_dtype,
+                              round_mix=True):
+    args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+            out_norm_weight, out_norm_eps)
+    _raise(_C.check_fused_attn_res_quant(*args, out_dtype))
+    from .backends import npu  # lazy: importing k3_ops never imports torch_npu or triton-ascend
+
+    return npu.fused_attn_res_quant(*args, out_dtype=out_dtype, round_mix=round_mix)
 
 
-_lib.impl("fused_attn_res", _fused_attn_res_cpu, "CPU")
-_lib.impl("fused_attn_res", _fused_attn_res_cuda, "CUDA")
-_lib.impl("fused_attn_res", _fused_attn_res_npu, "PrivateUse1")
-_lib.impl("fused_attn_res", _fused_attn_res_autograd, "Autograd", with_keyset=True)
-_lib.impl("fused_attn_res", _fused_attn_res_inplace_or_view, "ADInplaceOrView", with_keyset=True)
+# --- fused_attn_res_: the in-place serving call (vLLM's contract) -------------------------------------------
+def _fused_attn_res_inplace_cpu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                                block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, out_dtype=None,
+                                round_mix=True):
+    args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+            out_norm_weight, out_norm_eps)
+    _raise(_C.check_fused_attn_res_inplace(*args, out_dtype))
+    return reference.fused_attn_res_inplace_reference(*args, out_dtype=out_dtype, round_mix=round_mix)
+
+
+def _fused_attn_res_inplace_cuda(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                                 block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, out_dtype=None,
+                                 round_mix=True):
+    args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+            out_norm_weight, out_norm_eps)
+    _raise(_C.check_fused_attn_res_inplace(*args, out_dtype))
+    from .backends import cuda  # lazy: importing k3_ops never imports triton
+
+    return cuda.fused_attn_res_(*args, out_dtype=out_dtype, round_mix=round_mix)
+
+
+def _fused_attn_res_inplace_npu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                                block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, out_dtype=None,
+                                round_mix=True):
+    args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+            out_norm_weight, out_norm_eps)
+    _raise(_C.check_fused_attn_res_inplace(*args, out_dtype))
+    from .backends import npu  # lazy: importing k3_ops never imports torch_npu or triton-ascend
+
+    return npu.fused_attn_res_(*args, out_dtype=out_dtype, round_mix=round_mix)
+
+
+def _inference_only(op: torch._ops.OpOverload, mutated: tuple[str, ...]):
+    """The Autograd and ADInplaceOrView kernels of an inference op that mutates the arguments named ``mutated``.
+
+    Autograd: the fused ops have no backward. Where autograd would have to record one (grad mode on and an input
+    requires grad) fail *before* anything is written, instead of returning outputs that silently carry no
+    gradient; otherwise run the device kernel below autograd (what opcheck asks of a non-differentiable op).
+    ADInplaceOrView: bump each mutated tensor's version counter on every device, as torch does for its own
+    in-place ops (a Triton store is invisible to autograd otherwise), then go on to the kernel.
+    """
+    names = [a.name for a in op._schema.arguments]
+    positions = [names.index(name) for name in mutated]
+    label = op._schema.name + (f".{op._schema.overload_name}" if op._schema.overload_name else "")
+
+    def autograd(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():
+            needs_grad = [name for name, a in zip(names, args) if isinstance(a, torch.Tensor) and a.requires_grad]
+            if needs_grad:
+                raise RuntimeError(
+                    f"{label} is an inference op and has no backward, but {', '.join(needs_grad)} requires grad "
+                    "(with grad mode on); for training use k3_ops.attn_res (differentiable) with the residual add, "
+                    "snapshot copy and RMSNorm as separate ops, or call it under torch.no_grad() / "
+                    "torch.inference_mode()")
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    def inplace_or_view(keyset, *args, **kwargs):
+        for i in positions:
+            torch.autograd.graph.increment_version(args[i])
+        return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+
+    return autograd, inplace_or_view
+
+
+def _register_inference_op(name: str, cpu, cuda, npu, mutated: tuple[str, ...]) -> None:
+    packet, _, overload = name.partition(".")
+    autograd, inplace_or_view = _inference_only(getattr(getattr(torch.ops.kimi_k3, packet), overload or "default"),
+                                                mutated)
+    _lib.impl(name, cpu, "CPU")
+    _lib.impl(name, cuda, "CUDA")
+    _lib.impl(name, npu, "PrivateUse1")
+    _lib.impl(name, autograd, "Autograd", with_keyset=True)
+    _lib.impl(name, inplace_or_view, "ADInplaceOrView", with_keyset=True)
+
+
+_register_inference_op("fused_attn_res", _fused_attn_res_cpu, _fused_attn_res_cuda, _fused_attn_res_npu,
+                       ("block_residual",))
+_register_inference_op("fused_attn_res.quant", _fused_attn_res_quant_cpu, _fused_attn_res_quant_cuda,
+                       _fused_attn_res_quant_npu, ("block_residual",))
+_register_inference_op("fused_attn_res_", _fused_attn_res_inplace_cpu, _fused_attn_res_inplace_cuda,
+                       _fused_attn_res_inplace_npu, ("prefix_sum", "block_residual"))
 
 
 # --- attn_res_backward and autograd ---------------------------------------------------------------------

@@ -5,7 +5,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["attn_res", "apply_attn_res", "fused_attn_res", "warmup"]
+__all__ = ["attn_res", "apply_attn_res", "fused_attn_res", "fused_attn_res_", "warmup"]
 
 
 def attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -36,7 +36,8 @@ def attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight
 def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
                    norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float, *,
                    block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
-                   out_norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   out_norm_eps: float | None = None, round_mix: bool = True, out_dtype: torch.dtype | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The serving variant of :func:`attn_res`: residual add, block snapshot, mix and the following RMSNorm.
 
     Computes, with the rounding points of docs/fused_attn_res.md::
@@ -46,6 +47,8 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
             block_residual[:, block_write_idx] = new_prefix    # IN PLACE: the block snapshot
         mix = attn_res(new_prefix, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
         out = mix if out_norm_weight is None else rms_norm(mix, out_norm_weight, out_norm_eps)
+        if out_dtype is not None:
+            q, scale = fp8_quant(out, out_dtype)               # per-token dynamic scale
 
     Args:
         prefix_sum: [T, H], bf16 / fp16 / fp32 / fp64, any strides. The running residual; never written.
@@ -63,20 +66,60 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
             ``num_valid_blocks <= block_write_idx < C``. The snapshot is not one of this call's candidates;
             pass ``num_valid_blocks + 1`` to the next call to include it.
         out_norm_weight: [H], any floating dtype, or None (out is the mix). The weight of the RMSNorm that
-            follows the mix (e.g. the next input_layernorm); the norm runs in FP32 on the mix rounded to the
-            I/O dtype.
+            follows the mix (e.g. the next input_layernorm); the norm runs in FP32.
         out_norm_eps: that norm's epsilon, finite and > 0; None means ``eps``. Needs ``out_norm_weight``.
+        round_mix: what the output norm sees: True (default) the mix rounded to the I/O dtype, so that
+            fused == rms_norm(attn_res(...)) of the unfused ops; False the FP32 mix (vLLM's kernels). No effect
+            without ``out_norm_weight``.
+        out_dtype: None, or ``torch.float8_e4m3fn`` / ``torch.float8_e4m3fnuz`` for an FP8 output: the (normed)
+            output rounded to the I/O dtype, ``scale = max(amax, 1e-10) / fp8_max`` per token (fp8_max 448 for
+            e4m3fn, 224 for e4m3fnuz as vLLM uses), ``q = clamp(out / scale, -fp8_max, fp8_max)`` rounded to
+            nearest even (``kimi_k3::fused_attn_res.quant``).
 
     Returns:
         ``(out, new_prefix)``: two new contiguous [T, H] tensors of ``prefix_sum.dtype``. new_prefix is the
-        running residual for the next layer (never an alias of prefix_sum).
+        running residual for the next layer (never an alias of prefix_sum). With ``out_dtype``:
+        ``(q, new_prefix, scale)``, q [T, H] of out_dtype and scale [T, 1] fp32 (``q.float() * scale`` ~ out).
 
     Inference only: with grad mode on and any input requiring grad it raises (use :func:`attn_res` for
     training). Bad arguments raise before anything is written.
     """
+    if out_dtype is not None:
+        return torch.ops.kimi_k3.fused_attn_res.quant(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                                       num_valid_blocks, eps, block_write_idx, out_norm_weight,
+                                                       out_norm_eps, out_dtype=out_dtype, round_mix=round_mix)
     return torch.ops.kimi_k3.fused_attn_res.default(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                                      num_valid_blocks, eps, block_write_idx, out_norm_weight,
-                                                     out_norm_eps)
+                                                     out_norm_eps, round_mix=round_mix)
+
+
+def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                    norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float, *,
+                    block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                    out_norm_eps: float | None = None, round_mix: bool = True, out_dtype: torch.dtype | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The in-place serving call (``kimi_k3::fused_attn_res_``): :func:`fused_attn_res` with the running residual
+    updated IN PLACE, as vLLM's Kimi K3 model keeps it::
+
+        prefix_sum += addend                                   # IN PLACE, rounded to the I/O dtype
+        if block_write_idx >= 0:
+            block_residual[:, block_write_idx] = prefix_sum    # IN PLACE: the block snapshot
+        out = mix / norm / FP8 of the updated prefix_sum, as in fused_attn_res
+
+    Args: as :func:`fused_attn_res`, except
+        prefix_sum: [T, H], any strides but no broadcast (stride-0) dimension when an addend is given. Written in
+            place with round(prefix_sum + addend) when ``addend`` is given (its version counter is bumped on every
+            call), read only otherwise. Must not overlap ``addend`` other than exactly, nor ``block_residual``.
+
+    Returns:
+        ``(out, scale)``: out a new contiguous [T, H] of ``prefix_sum.dtype`` (or ``out_dtype``); scale [T, 1]
+        fp32 with an FP8 ``out_dtype``, else an empty [0] fp32 tensor. One kernel launch on CUDA and NPU, the
+        in-place prefix store included; under torch.compile the mutation is functionalized and reinplaced (no
+        copy of prefix_sum or the buffer).
+    """
+    return torch.ops.kimi_k3.fused_attn_res_.default(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                                      num_valid_blocks, eps, block_write_idx, out_norm_weight,
+                                                      out_norm_eps, out_dtype=out_dtype, round_mix=round_mix)
 
 
 def warmup(hidden_size: int, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, *,

@@ -20,8 +20,14 @@ __all__ = [
     "compute_dtype",
     "attn_res_reference",
     "attn_res_truth",
+    "attn_res_mix_reference",
     "rms_norm_reference",
+    "FP8_MAX",
+    "FP8_SCALE_FLOOR",
+    "fp8_quant_reference",
     "fused_attn_res_reference",
+    "fused_attn_res_quant_reference",
+    "fused_attn_res_inplace_reference",
     "attn_res_backward_reference",
     "attn_res_backward_truth",
 ]
@@ -68,44 +74,145 @@ def attn_res_truth(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_
     return _mix(v, norm_weight.to(torch.float64), proj_weight.to(torch.float64), eps)
 
 
+def attn_res_mix_reference(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
+                           proj_weight: torch.Tensor, num_valid_blocks: int, eps: float) -> torch.Tensor:
+    """The mix of :func:`attn_res_reference` before its final rounding: [T, H] in the compute dtype (FP32, FP64
+    for fp64 inputs). K = 0 gives prefix_sum exactly (upcast)."""
+    cdt = compute_dtype(prefix_sum.dtype)
+    if num_valid_blocks == 0:
+        return prefix_sum.to(cdt)
+    return _mix(_candidates(prefix_sum, block_residual, num_valid_blocks, cdt), norm_weight, proj_weight, eps)
+
+
+def _rms_norm(xc: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # torch's rms_norm order, (x * rsqrt(mean(x^2) + eps)) * weight, in xc's dtype; unrounded.
+    return xc * torch.rsqrt(xc.square().mean(dim=-1, keepdim=True) + eps) * weight.to(xc.dtype)
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The RMSNorm that follows every mix: ``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, in FP32
     (FP64 for fp64 x) from the dtype-rounded ``x``, cast back to ``x.dtype``."""
-    xc = x.to(compute_dtype(x.dtype))
-    y = xc * torch.rsqrt(xc.square().mean(dim=-1, keepdim=True) + eps) * weight.to(xc.dtype)
-    return y.to(x.dtype)
+    return _rms_norm(x.to(compute_dtype(x.dtype)), weight, eps).to(x.dtype)
+
+
+#: The magnitude each FP8 output format's rows are scaled to. float8_e4m3fn: its largest finite value. float8_e4m3fnuz:
+#: 224, not torch.finfo's 240: the bound vLLM's dynamic FP8 quantisation uses for fnuz (``get_fp8_min_max``; it
+#: found 240 costs accuracy on ROCm), so a k3_ops scale is what the consuming FP8 GEMM expects.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 224.0}
+
+#: Smallest amax a scale is computed from: an all-zero row gets a tiny positive scale (and zeros), never 0 / 0.
+FP8_SCALE_FLOOR = 1e-10
+
+
+def fp8_quant_reference(y: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token FP8 quantisation of a [T, H] output already rounded to the model dtype, in FP32:
+    ``scale = max(amax, FP8_SCALE_FLOOR) / fp8_max`` per row, ``q = clamp(y / scale, -fp8_max, fp8_max)``
+    converted with round-to-nearest-even. Returns ``(q [T, H] of out_dtype, scale [T, 1] fp32)``, so that
+    ``q.float() * scale`` approximates ``y``."""
+    fp8_max = FP8_MAX[out_dtype]
+    yf = y.to(torch.float32)
+    scale = torch.clamp_min(yf.abs().amax(dim=-1, keepdim=True), FP8_SCALE_FLOOR) / fp8_max
+    q = torch.clamp(yf / scale, -fp8_max, fp8_max).to(out_dtype)
+    return q.contiguous(), scale.contiguous()
+
+
+def _serving_output(new_prefix: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
+                    proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                    out_norm_weight: torch.Tensor | None, out_norm_eps: float | None, round_mix: bool,
+                    out_dtype: torch.dtype | None, attn_res_fn: Callable[..., torch.Tensor],
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the serving ops output after the add and the snapshot (docs/fused_attn_res.md, "Rounding points"):
+    the mix, the optional output RMSNorm (of the dtype-rounded mix when ``round_mix``, else of the FP32 mix) and
+    the optional FP8 quantisation. Returns ``(out, scale or None)``."""
+    norm_eps = eps if out_norm_eps is None else out_norm_eps
+    if out_norm_weight is not None and not round_mix:
+        mix = attn_res_mix_reference(new_prefix, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+        out = _rms_norm(mix, out_norm_weight, norm_eps).to(new_prefix.dtype)
+    else:
+        out = attn_res_fn(new_prefix, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+        if out_norm_weight is not None:
+            # out is already rounded to the I/O dtype (the unfused attn_res output), so the norm sees what the
+            # unfused pipeline's RMSNorm sees.
+            out = rms_norm_reference(out, out_norm_weight, norm_eps)
+    if out_dtype is None:
+        return out, None
+    return fp8_quant_reference(out, out_dtype)
+
+
+def _new_prefix(prefix_sum: torch.Tensor, addend: torch.Tensor | None) -> torch.Tensor:
+    # The residual add is torch's own elementwise add, rounded to the I/O dtype: exactly what the unfused
+    # `prefix + addend` produces. A fresh tensor, never an alias of prefix_sum.
+    new_prefix = torch.empty_like(prefix_sum, memory_format=torch.contiguous_format)
+    if addend is None:
+        new_prefix.copy_(prefix_sum)
+    else:
+        torch.add(prefix_sum, addend, out=new_prefix)
+    return new_prefix
+
+
+def _snapshot(block_residual: torch.Tensor, block_write_idx: int, new_prefix: torch.Tensor) -> None:
+    if block_write_idx >= 0:
+        # The snapshot lands in free capacity (block_write_idx >= num_valid_blocks), so the mix never reads it:
+        # the order of snapshot and mix does not matter.
+        block_residual[:, block_write_idx].copy_(new_prefix)
 
 
 def fused_attn_res_reference(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
                              norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int,
                              eps: float, block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
-                             out_norm_eps: float | None = None, *,
+                             out_norm_eps: float | None = None, *, round_mix: bool = True,
                              attn_res_fn: Callable[..., torch.Tensor] = attn_res_reference,
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """kimi_k3::fused_attn_res as the unfused pipeline, with the rounding points of docs/fused_attn_res.md.
+    """kimi_k3::fused_attn_res as the unfused pipeline, with the rounding points of docs/fused_attn_res.md
+    (``round_mix=False``: the output norm runs on the FP32 mix instead of the dtype-rounded one).
 
     Writes ``block_residual[:, block_write_idx]`` in place when ``block_write_idx >= 0``; nothing else is
     written. ``attn_res_fn`` computes the mix: this module's formula for the CPU kernel, the device's
     attn_res launcher where a device falls back to this composition (so that ``out`` equals that device's
     ``attn_res(new_prefix, ...)`` bit for bit). Returns ``(out, new_prefix)``, both new contiguous [T, H].
     """
-    # The residual add is torch's own elementwise add, rounded to the I/O dtype: exactly what the unfused
-    # `prefix + addend` produces. new_prefix is always a fresh tensor, never an alias of prefix_sum.
-    new_prefix = torch.empty_like(prefix_sum, memory_format=torch.contiguous_format)
-    if addend is None:
-        new_prefix.copy_(prefix_sum)
-    else:
-        torch.add(prefix_sum, addend, out=new_prefix)
-    if block_write_idx >= 0:
-        # The snapshot lands in free capacity (block_write_idx >= num_valid_blocks), so the mix below never
-        # reads it: the order of snapshot and mix does not matter.
-        block_residual[:, block_write_idx].copy_(new_prefix)
-    mix = attn_res_fn(new_prefix, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
-    if out_norm_weight is None:
-        return mix, new_prefix
-    # mix is already rounded to the I/O dtype (the unfused attn_res output), so the norm sees what the
-    # unfused pipeline's RMSNorm sees.
-    return rms_norm_reference(mix, out_norm_weight, eps if out_norm_eps is None else out_norm_eps), new_prefix
+    new_prefix = _new_prefix(prefix_sum, addend)
+    _snapshot(block_residual, block_write_idx, new_prefix)
+    out, _ = _serving_output(new_prefix, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                             out_norm_weight, out_norm_eps, round_mix, None, attn_res_fn)
+    return out, new_prefix
+
+
+def fused_attn_res_quant_reference(prefix_sum: torch.Tensor, addend: torch.Tensor | None,
+                                   block_residual: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+                                   num_valid_blocks: int, eps: float, block_write_idx: int = -1,
+                                   out_norm_weight: torch.Tensor | None = None, out_norm_eps: float | None = None, *,
+                                   out_dtype: torch.dtype, round_mix: bool = True,
+                                   attn_res_fn: Callable[..., torch.Tensor] = attn_res_reference,
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res.quant: :func:`fused_attn_res_reference` with the output norm's rounding point
+    chosen by ``round_mix`` and the output quantised to ``out_dtype`` (:func:`fp8_quant_reference`).
+    Returns ``(q [T, H] of out_dtype, new_prefix [T, H], scale [T, 1] fp32)``."""
+    new_prefix = _new_prefix(prefix_sum, addend)
+    _snapshot(block_residual, block_write_idx, new_prefix)
+    q, scale = _serving_output(new_prefix, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                               out_norm_weight, out_norm_eps, round_mix, out_dtype, attn_res_fn)
+    return q, new_prefix, scale
+
+
+def fused_attn_res_inplace_reference(prefix_sum: torch.Tensor, addend: torch.Tensor | None,
+                                     block_residual: torch.Tensor, norm_weight: torch.Tensor,
+                                     proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                                     block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                                     out_norm_eps: float | None = None, *, out_dtype: torch.dtype | None = None,
+                                     round_mix: bool = True,
+                                     attn_res_fn: Callable[..., torch.Tensor] = attn_res_reference,
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res_, the in-place serving call: ``prefix_sum += addend`` (torch's own in-place add,
+    rounded to the I/O dtype), then the snapshot ``block_residual[:, block_write_idx] = prefix_sum``, then the
+    output of the updated prefix_sum as in :func:`fused_attn_res_quant_reference`. Returns ``(out, scale)``:
+    out [T, H] of prefix_sum.dtype (or out_dtype), scale [T, 1] fp32 with an FP8 out_dtype, else empty [0]."""
+    if addend is not None:
+        prefix_sum.add_(addend)
+    _snapshot(block_residual, block_write_idx, prefix_sum)
+    out, scale = _serving_output(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                                 out_norm_weight, out_norm_eps, round_mix, out_dtype, attn_res_fn)
+    return out, (prefix_sum.new_empty((0,), dtype=torch.float32) if scale is None else scale)
 
 
 def attn_res_backward_reference(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,

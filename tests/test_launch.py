@@ -15,10 +15,10 @@ from conftest import Sample, requires_cuda, requires_interpreter
 
 
 def test_specialised_ints_are_keyed_and_runtime_ints_are_not():
+    from triton.runtime.jit import JITFunction
+
     from k3_ops.backends import _launch
     from k3_ops.kernels import attn_res_decode, attn_res_fwd
-
-    from triton.runtime.jit import JITFunction
 
     for kernel in (attn_res_decode.attn_res_token_kernel, attn_res_fwd.attn_res_rows_kernel,
                    attn_res_fwd.attn_res_split_kernel):

@@ -35,10 +35,18 @@ class TestPinned(expecttest.TestCase):
         )
         self.assertExpectedInline(
             str(ops.fused_attn_res.default._schema),
-            """kimi_k3::fused_attn_res(Tensor prefix_sum, Tensor? addend, Tensor(a!) block_residual, Tensor norm_weight, Tensor proj_weight, int num_valid_blocks, float eps, int block_write_idx=-1, Tensor? out_norm_weight=None, float? out_norm_eps=None) -> (Tensor, Tensor)""",  # noqa: E501
+            """kimi_k3::fused_attn_res(Tensor prefix_sum, Tensor? addend, Tensor(a!) block_residual, Tensor norm_weight, Tensor proj_weight, int num_valid_blocks, float eps, int block_write_idx=-1, Tensor? out_norm_weight=None, float? out_norm_eps=None, *, bool round_mix=True) -> (Tensor, Tensor)""",  # noqa: E501
+        )
+        self.assertExpectedInline(
+            str(ops.fused_attn_res.quant._schema),
+            """kimi_k3::fused_attn_res.quant(Tensor prefix_sum, Tensor? addend, Tensor(a!) block_residual, Tensor norm_weight, Tensor proj_weight, int num_valid_blocks, float eps, int block_write_idx=-1, Tensor? out_norm_weight=None, float? out_norm_eps=None, *, ScalarType out_dtype, bool round_mix=True) -> (Tensor out, Tensor new_prefix, Tensor scale)""",  # noqa: E501
+        )
+        self.assertExpectedInline(
+            str(ops.fused_attn_res_.default._schema),
+            """kimi_k3::fused_attn_res_(Tensor(a!) prefix_sum, Tensor? addend, Tensor(b!) block_residual, Tensor norm_weight, Tensor proj_weight, int num_valid_blocks, float eps, int block_write_idx=-1, Tensor? out_norm_weight=None, float? out_norm_eps=None, *, ScalarType? out_dtype=None, bool round_mix=True) -> (Tensor out, Tensor scale)""",  # noqa: E501
         )
         # The Meta kernels are C++ registrations on the same library, not Python fakes.
-        for name in ("attn_res", "attn_res_backward", "fused_attn_res"):
+        for name in ("attn_res", "attn_res_backward", "fused_attn_res", "fused_attn_res.quant", "fused_attn_res_"):
             self.assertTrue(torch._C._dispatch_has_kernel_for_dispatch_key(f"kimi_k3::{name}", "Meta"), name)
 
     def test_fx_graph_has_one_op_node_with_symbolic_tokens(self):

@@ -67,6 +67,18 @@ def rows_signature(dtype: str, fused: dict) -> tuple[dict, dict]:
         for name in ("HAS_ADDEND", "FUSED", "SNAPSHOT", "OUT_NORM"):
             sig[name] = "constexpr"
             const[name] = bool(fused.get(name, name == "FUSED"))
+        # The serving flags (fused_attn_res_ / fused_attn_res.quant): the prefix stored in place (no new_prefix),
+        # the FP32-mix norm, the FP8 output through a uint8 view with its fp32 scales.
+        if fused.get("INPLACE_PREFIX"):
+            sig["newp_ptr"] = "constexpr"
+            const["newp_ptr"] = None
+        if fused.get("FP8_OUT"):
+            sig["out_ptr"] = "*u8"
+            sig["scale_ptr"] = "*fp32"
+        for name in ("INPLACE_PREFIX", "NORM_FP32_MIX", "FP8_OUT", "FP8_FNUZ", "FP8_MAX"):
+            if name in fused:
+                sig[name] = "constexpr"
+                const[name] = fused[name]
     return sig, const
 
 
@@ -180,6 +192,9 @@ def split_bwd(which: str, dtype: str, k_pad: int, block: int, num_warps: int, nu
 
 
 FUSED_ALL = dict(HAS_ADDEND=True, SNAPSHOT=True, OUT_NORM=True)
+#: vLLM's pre-attention call through fused_attn_res_: in-place add, snapshot, FP32-mix norm, optionally FP8.
+SERVING = dict(FUSED_ALL, INPLACE_PREFIX=True, NORM_FP32_MIX=True)
+SERVING_FP8 = dict(SERVING, FP8_OUT=True, FP8_MAX=448.0)
 FORWARD_CASES = [
     ("plain w4 p1", dict()),
     ("plain w4 p2", dict(prefetch=2)),
@@ -190,6 +205,8 @@ FORWARD_CASES = [
     ("fused add+snap+norm w4 p0 s3", dict(prefetch=0, num_stages=3, fused=FUSED_ALL)),
     ("fused snap w4 p0 s3", dict(prefetch=0, num_stages=3, fused=dict(SNAPSHOT=True))),
     ("fused add+snap+norm w8 p1", dict(num_warps=8, fused=FUSED_ALL)),
+    ("serving in-place fp32-norm w4 p0 s3", dict(prefetch=0, num_stages=3, fused=SERVING)),
+    ("serving in-place fp32-norm fp8 w4 p0 s3", dict(prefetch=0, num_stages=3, fused=SERVING_FP8)),
 ]
 BACKWARD_CASES = [
     ("K_PAD 16, 16 warps, tile 4096, 1 stage", dict()),

@@ -1,7 +1,16 @@
-"""The device-independent part of the fused_attn_res launch (kimi_k3::fused_attn_res), shared by
-``cuda.py`` and ``npu.py``: the cases that launch no kernel, the output allocation, and the extra kernel
-arguments / stride facts that switch the forward kernels' fused constexpr flags on (kernels/attn_res_fwd.py).
-No triton import here.
+"""The device-independent part of the fused launches, shared by ``cuda.py`` and ``npu.py`` (and by any other
+forward kernel that takes the fused flags): the cases that launch no kernel, the output allocation, and the extra
+kernel arguments / stride facts that switch the forward kernels' fused constexpr flags on
+(kernels/attn_res_fwd.py). Three ops launch through here:
+
+- ``kimi_k3::fused_attn_res``: new_prefix out of place, the norm of the dtype-rounded mix;
+- ``kimi_k3::fused_attn_res.quant``: the same with an FP8 output and a selectable norm rounding point;
+- ``kimi_k3::fused_attn_res_``: the new prefix stored back into ``prefix_sum`` (the in-place serving call), with
+  the same options.
+
+Everything a launch needs beyond the plain forward's arguments is one ``FusedArgs`` and the keyword arguments
+``fused_kernel_args`` makes of it, so every kernel with the fused flags takes the same keywords. No triton import
+here.
 """
 from __future__ import annotations
 
@@ -13,55 +22,113 @@ import torch
 from .. import reference
 from . import KERNEL_IO_DTYPES, prepare_weights
 
-__all__ = ["FusedArgs", "trivial_fused_attn_res", "fused_kernel_args", "fused_hidden_dims", "fused_token_strides"]
+__all__ = ["FusedArgs", "trivial_fused_attn_res", "trivial_serving_call", "kernel_output", "fused_kernel_args",
+           "fused_hidden_dims", "fused_token_strides"]
 
 
 @dataclass(frozen=True)
 class FusedArgs:
     """What a fused call adds to a forward launch.
 
-    addend: [T, H] of the I/O dtype, any strides, or None. new_prefix: new contiguous [T, H] output.
-    write_idx: snapshot slot (>= K), or -1. out_norm_weight: [H] contiguous kernel-readable weight, or None.
-    out_eps: the output norm's eps (already defaulted to eps).
+    addend: [T, H] of the I/O dtype, any strides, or None. new_prefix: new contiguous [T, H] output, or None when
+    the new prefix goes back into prefix_sum (``inplace``). write_idx: snapshot slot (>= K), or -1.
+    out_norm_weight: [H] contiguous kernel-readable weight, or None. out_eps: the output norm's eps (already
+    defaulted to eps). round_mix: the output norm sees the dtype-rounded mix (True) or the FP32 mix (False).
+    out_dtype: an FP8 output dtype, or None; scale: its [T, 1] fp32 per-token scales. scratch: an FP32
+    [programs, H] row per program for kernels that keep a row between passes (the NPU kernel; see
+    ``needs_scratch``), else None.
     """
 
     addend: torch.Tensor | None
-    new_prefix: torch.Tensor
+    new_prefix: torch.Tensor | None
     write_idx: int
     out_norm_weight: torch.Tensor | None
     out_eps: float
+    inplace: bool = False
+    round_mix: bool = True
+    out_dtype: torch.dtype | None = None
+    scale: torch.Tensor | None = None
+    scratch: torch.Tensor | None = None
 
     @staticmethod
     def allocate(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_write_idx: int,
-                 out_norm_weight: torch.Tensor | None, out_eps: float) -> tuple[FusedArgs, torch.Tensor]:
-        """The fused arguments with a fresh new_prefix, and the fresh ``out`` (both [T, H] contiguous)."""
+                 out_norm_weight: torch.Tensor | None, out_eps: float, *, inplace: bool = False,
+                 round_mix: bool = True, out_dtype: torch.dtype | None = None) -> tuple[FusedArgs, torch.Tensor]:
+        """The fused arguments and the fresh ``out`` ([T, H] contiguous, of out_dtype or prefix_sum's dtype), with
+        a fresh new_prefix (unless ``inplace``) and, for an FP8 out_dtype, the [T, 1] fp32 scale."""
         T, H = prefix_sum.shape
-        new_prefix = torch.empty((T, H), dtype=prefix_sum.dtype, device=prefix_sum.device)
-        out = torch.empty((T, H), dtype=prefix_sum.dtype, device=prefix_sum.device)
+        new_prefix = None if inplace else torch.empty((T, H), dtype=prefix_sum.dtype, device=prefix_sum.device)
+        out = torch.empty((T, H), dtype=out_dtype or prefix_sum.dtype, device=prefix_sum.device)
+        scale = None if out_dtype is None else torch.empty((T, 1), dtype=torch.float32, device=prefix_sum.device)
         onw = None if out_norm_weight is None else prepare_weights(out_norm_weight, out_norm_weight)[0]
-        return FusedArgs(addend, new_prefix, int(block_write_idx), onw, float(out_eps)), out
+        return FusedArgs(addend, new_prefix, int(block_write_idx), onw, float(out_eps), inplace, bool(round_mix),
+                         out_dtype, scale), out
+
+    @property
+    def norm_fp32_mix(self) -> bool:
+        """The output norm runs on the FP32 mix (only meaningful with an output norm)."""
+        return self.out_norm_weight is not None and not self.round_mix
+
+    @property
+    def serving(self) -> bool:
+        """Any of the serving options that only the kernels' serving flags implement (kernels/attn_res_fwd.py,
+        "Serving-call helpers"): a launch policy routes such calls to a kernel that has them."""
+        return self.inplace or self.norm_fp32_mix or self.out_dtype is not None
+
+    @property
+    def needs_scratch(self) -> bool:
+        """Whether a kernel that writes its output chunk by chunk in several passes (the NPU kernel) needs an FP32
+        scratch row per program: the FP32 mix for the norm, or the row before quantisation."""
+        return self.norm_fp32_mix or self.out_dtype is not None
+
+    def with_scratch(self, scratch: torch.Tensor) -> FusedArgs:
+        return replace(self, scratch=scratch)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> FusedArgs:
         """The same arguments with every tensor passed through ``fn`` (the NPU seam's raw tensors)."""
-        return replace(self, addend=None if self.addend is None else fn(self.addend),
-                       new_prefix=fn(self.new_prefix),
-                       out_norm_weight=None if self.out_norm_weight is None else fn(self.out_norm_weight))
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return replace(self, addend=opt(self.addend), new_prefix=opt(self.new_prefix),
+                       out_norm_weight=opt(self.out_norm_weight), scale=opt(self.scale), scratch=opt(self.scratch))
 
 
 def trivial_fused_attn_res(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
                            block_write_idx, out_norm_weight, out_norm_eps,
-                           attn_res_fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                           attn_res_fn: Callable[..., torch.Tensor], round_mix: bool = True,
+                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The calls that launch no fused kernel (None otherwise): fp64 (the kernels' I/O dtypes are bf16/fp16/fp32)
-    and T = 0 run the reference composition with the device's ``attn_res_fn`` as the mix."""
+    and T = 0 run the reference composition with the device's ``attn_res_fn`` as the mix (with round_mix=False the
+    reference computes the FP32 mix itself, which for fp64 is the mix and for T = 0 empty)."""
     if prefix_sum.dtype in KERNEL_IO_DTYPES and prefix_sum.size(0) > 0:
         return None
     return reference.fused_attn_res_reference(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                               num_valid_blocks, eps, block_write_idx, out_norm_weight,
-                                              out_norm_eps, attn_res_fn=attn_res_fn)
+                                              out_norm_eps, round_mix=round_mix, attn_res_fn=attn_res_fn)
+
+
+def trivial_serving_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                         block_write_idx, out_norm_weight, out_norm_eps, *, inplace: bool, out_dtype, round_mix: bool,
+                         attn_res_fn: Callable[..., torch.Tensor]) -> tuple | None:
+    """``trivial_fused_attn_res`` for fused_attn_res.quant (``inplace=False``: ``(q, new_prefix, scale)``) and
+    fused_attn_res_ (``inplace=True``: ``(out, scale)``): fp64 and T = 0 run the reference composition (on the
+    tensors' own device), None otherwise."""
+    if prefix_sum.dtype in KERNEL_IO_DTYPES and prefix_sum.size(0) > 0:
+        return None
+    fn = reference.fused_attn_res_inplace_reference if inplace else reference.fused_attn_res_quant_reference
+    return fn(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+              out_norm_weight, out_norm_eps, out_dtype=out_dtype, round_mix=round_mix, attn_res_fn=attn_res_fn)
+
+
+def kernel_output(out: torch.Tensor) -> torch.Tensor:
+    """The tensor a kernel stores ``out`` through: FP8 outputs as their uint8 view (the kernels write e4m3 bit
+    patterns they compute themselves), every other dtype as it is."""
+    return out.view(torch.uint8) if out.dtype in reference.FP8_MAX else out
 
 
 def fused_hidden_dims(fused: FusedArgs | None) -> tuple[tuple[torch.Tensor, int], ...]:
-    """(tensor, hidden dim) pairs the kernels address through H_STRIDED (the addend; new_prefix is contiguous)."""
+    """(tensor, hidden dim) pairs the kernels address through H_STRIDED (the addend; new_prefix is contiguous and
+    an in-place prefix is prefix_sum itself, already counted)."""
     return () if fused is None or fused.addend is None else ((fused.addend, 1),)
 
 
@@ -69,16 +136,28 @@ def fused_token_strides(fused: FusedArgs | None) -> tuple[int, ...]:
     """Token strides the kernels divide by VEC: the addend's and new_prefix's."""
     if fused is None:
         return ()
-    return (fused.new_prefix.stride(0),) + (() if fused.addend is None else (fused.addend.stride(0),))
+    return (() if fused.new_prefix is None else (fused.new_prefix.stride(0),)) + (
+        () if fused.addend is None else (fused.addend.stride(0),))
 
 
 def fused_kernel_args(fused: FusedArgs | None, vec: int) -> dict:
-    """Keyword arguments that switch a forward kernel to the fused variant; {} for the plain forward."""
+    """Keyword arguments that switch a forward kernel to the fused variant; {} for the plain forward. The serving
+    flags appear only when set, so fused_attn_res's launches are exactly what they were before they existed."""
     if fused is None:
         return {}
-    a = fused.addend
-    return dict(addend_ptr=a, newp_ptr=fused.new_prefix, onw_ptr=fused.out_norm_weight,
-                stride_at=0 if a is None else a.stride(0) // vec, stride_ah=0 if a is None else a.stride(1),
-                stride_nt=fused.new_prefix.stride(0) // vec, write_idx=max(fused.write_idx, 0),
-                out_eps=fused.out_eps, HAS_ADDEND=a is not None, FUSED=True, SNAPSHOT=fused.write_idx >= 0,
-                OUT_NORM=fused.out_norm_weight is not None)
+    a, n = fused.addend, fused.new_prefix
+    kw = dict(addend_ptr=a, newp_ptr=n, onw_ptr=fused.out_norm_weight,
+              stride_at=0 if a is None else a.stride(0) // vec, stride_ah=0 if a is None else a.stride(1),
+              stride_nt=0 if n is None else n.stride(0) // vec, write_idx=max(fused.write_idx, 0),
+              out_eps=fused.out_eps, HAS_ADDEND=a is not None, FUSED=True, SNAPSHOT=fused.write_idx >= 0,
+              OUT_NORM=fused.out_norm_weight is not None)
+    if fused.inplace:
+        kw.update(INPLACE_PREFIX=True)
+    if fused.norm_fp32_mix:
+        kw.update(NORM_FP32_MIX=True)
+    if fused.out_dtype is not None:
+        kw.update(scale_ptr=fused.scale, FP8_OUT=True, FP8_FNUZ=fused.out_dtype == torch.float8_e4m3fnuz,
+                  FP8_MAX=reference.FP8_MAX[fused.out_dtype])
+    if fused.scratch is not None:
+        kw.update(scratch_ptr=fused.scratch)
+    return kw

@@ -58,7 +58,14 @@ from . import (
     trivial_attn_res,
 )
 from ._fused import FusedArgs as _FusedArgs
-from ._fused import fused_hidden_dims, fused_kernel_args, fused_token_strides, trivial_fused_attn_res
+from ._fused import (
+    fused_hidden_dims,
+    fused_kernel_args,
+    fused_token_strides,
+    kernel_output,
+    trivial_fused_attn_res,
+    trivial_serving_call,
+)
 
 __all__ = [
     "LaunchConfig",
@@ -75,6 +82,9 @@ __all__ = [
     "pdl_enabled",
     "attn_res_forward",
     "fused_attn_res",
+    "SERVING_TOKEN_CONFIG",
+    "fused_attn_res_quant",
+    "fused_attn_res_",
     "warmup",
     "BackwardConfig",
     "BACKWARD_CONFIG",
@@ -375,10 +385,10 @@ def attn_res_forward(prefix_sum: torch.Tensor, block_residual: torch.Tensor, nor
 def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int, eps: float,
                     fused: _FusedArgs | None = None) -> None:
     T, H = prefix_sum.shape
-    if H > 1 and prefix_sum.stride(1) != 1 and plan.kernel in ("token", "rows"):
+    if H > 1 and prefix_sum.stride(1) != 1 and plan.kernel in ("token", "rows") and not (fused and fused.inplace):
         # A hidden-strided prefix row is copied (a [T, H] copy) so that the kernel reads it with the unit-stride
         # layout: the strided variant would reduce in another order and give other bits than the same values
-        # passed contiguously.
+        # passed contiguously. Not for the in-place serving call, which must store into the caller's prefix.
         prefix_sum = prefix_sum.contiguous()
     ps_t, ps_h = prefix_sum.stride()
     bs_t, bs_c, bs_h = block_residual.stride()
@@ -503,7 +513,7 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
 def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
                    norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
                    block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
-                   out_norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   out_norm_eps: float | None = None, *, round_mix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """kimi_k3::fused_attn_res on CUDA tensors (or CPU tensors under the Triton interpreter); arguments already
     checked by ``k3_ops._C.check_fused_attn_res``. Returns ``(out, new_prefix)``, new contiguous [T, H]; writes
     ``block_residual[:, block_write_idx]`` when ``block_write_idx >= 0``, nothing else.
@@ -515,9 +525,15 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
     fp64 and T = 0 run the reference composition (no kernel).
     """
     trivial = trivial_fused_attn_res(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
-                                     eps, block_write_idx, out_norm_weight, out_norm_eps, attn_res_forward)
+                                     eps, block_write_idx, out_norm_weight, out_norm_eps, attn_res_forward, round_mix)
     if trivial is not None:
         return trivial
+    if not round_mix and out_norm_weight is not None:
+        # The FP32-mix norm: the serving flags' launch (fused_attn_res_quant's, without the FP8 output).
+        fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                         eps if out_norm_eps is None else out_norm_eps, round_mix=False)
+        _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
+        return out, fused.new_prefix
     T, H = prefix_sum.shape
     K = int(num_valid_blocks)
     fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
@@ -526,6 +542,71 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
     plan = choose_config(T, K, H, prefix_sum.device)
     _launch_forward(plan, prefix_sum, block_residual, nw, pw, out, K, float(eps), fused)
     return out, fused.new_prefix
+
+
+#: The plan of every serving call (fused_attn_res.quant, fused_attn_res_) where the table picks the split path
+#: (T <= 4): the per-token kernel with 4-row tiles. The split kernel has none of the serving flags (the FP32-mix
+#: norm, the FP8 epilogue, the in-place prefix store), and its second launch re-reads prefix_sum after the first
+#: would have stored the new prefix into it.
+SERVING_TOKEN_CONFIG = LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
+
+
+def _launch_serving(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
+                    proj_weight: torch.Tensor, K: int, eps: float, fused: _FusedArgs, out: torch.Tensor) -> None:
+    T, H = prefix_sum.shape
+    nw, pw = prepare_weights(norm_weight, proj_weight)
+    plan = choose_config(T, K, H, prefix_sum.device)
+    if plan.kernel not in ("rows", "token"):
+        plan = choose_config(T, K, H, prefix_sum.device, SERVING_TOKEN_CONFIG)
+    _launch_forward(plan, prefix_sum, block_residual, nw, pw, kernel_output(out), K, float(eps), fused)
+
+
+def fused_attn_res_quant(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                         norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                         block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                         out_norm_eps: float | None = None, *, out_dtype: torch.dtype,
+                         round_mix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res.quant on CUDA tensors (or CPU tensors under the Triton interpreter); arguments
+    already checked by ``k3_ops._C.check_fused_attn_res_quant``. Returns ``(q, new_prefix, scale)``: q [T, H] of the
+    FP8 out_dtype, new_prefix [T, H], scale [T, 1] fp32; writes ``block_residual[:, block_write_idx]`` when
+    ``block_write_idx >= 0``, nothing else. One launch of the token or rows kernel with its serving flags
+    (``SERVING_TOKEN_CONFIG`` where the table picks the split path); fp64 and T = 0 run the reference composition.
+    """
+    trivial = trivial_serving_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                   eps, block_write_idx, out_norm_weight, out_norm_eps, inplace=False,
+                                   out_dtype=out_dtype, round_mix=round_mix, attn_res_fn=attn_res_forward)
+    if trivial is not None:
+        return trivial
+    fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                     eps if out_norm_eps is None else out_norm_eps, round_mix=round_mix,
+                                     out_dtype=out_dtype)
+    _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
+    return out, fused.new_prefix, fused.scale
+
+
+def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                    norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                    block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                    out_norm_eps: float | None = None, *, out_dtype: torch.dtype | None = None,
+                    round_mix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res_ on CUDA tensors (or CPU tensors under the Triton interpreter); arguments already
+    checked by ``k3_ops._C.check_fused_attn_res_inplace``. Stores round(prefix_sum + addend) back into prefix_sum
+    (with an addend), snapshots it into ``block_residual[:, block_write_idx]`` (when >= 0), and returns
+    ``(out, scale)`` (scale [T, 1] fp32 with an FP8 out_dtype, else empty): one launch of the token or rows kernel
+    with its serving flags, the in-place prefix store included (``SERVING_TOKEN_CONFIG`` where the table picks the
+    split path).
+    fp64 and T = 0 run the reference composition.
+    """
+    trivial = trivial_serving_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                   eps, block_write_idx, out_norm_weight, out_norm_eps, inplace=True,
+                                   out_dtype=out_dtype, round_mix=round_mix, attn_res_fn=attn_res_forward)
+    if trivial is not None:
+        return trivial
+    fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                     eps if out_norm_eps is None else out_norm_eps, inplace=True,
+                                     round_mix=round_mix, out_dtype=out_dtype)
+    _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
+    return out, fused.scale if fused.scale is not None else out.new_empty((0,), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------------------

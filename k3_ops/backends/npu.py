@@ -49,7 +49,14 @@ from . import (
     trivial_attn_res,
 )
 from ._fused import FusedArgs as _FusedArgs
-from ._fused import fused_hidden_dims, fused_kernel_args, fused_token_strides, trivial_fused_attn_res
+from ._fused import (
+    fused_hidden_dims,
+    fused_kernel_args,
+    fused_token_strides,
+    kernel_output,
+    trivial_fused_attn_res,
+    trivial_serving_call,
+)
 
 __all__ = [
     "FALLBACK_NUM_VECTOR_CORES",
@@ -65,6 +72,8 @@ __all__ = [
     "npu_block_h",
     "attn_res_forward",
     "fused_attn_res",
+    "fused_attn_res_quant",
+    "fused_attn_res_",
     "warmup",
     "npu_bwd_block_h",
     "attn_res_backward",
@@ -278,7 +287,7 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
 def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
                    norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
                    block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
-                   out_norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   out_norm_eps: float | None = None, *, round_mix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """kimi_k3::fused_attn_res on Ascend NPU (PrivateUse1) tensors (arguments already checked by
     ``k3_ops._C.check_fused_attn_res``). Returns ``(out, new_prefix)``, new contiguous [T, H]; writes
     ``block_residual[:, block_write_idx]`` when ``block_write_idx >= 0``, nothing else.
@@ -289,15 +298,78 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
     row. fp64 and T = 0 run the reference composition (no kernel).
     """
     trivial = trivial_fused_attn_res(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
-                                     eps, block_write_idx, out_norm_weight, out_norm_eps, attn_res_forward)
+                                     eps, block_write_idx, out_norm_weight, out_norm_eps, attn_res_forward, round_mix)
     if trivial is not None:
         return trivial
+    if not round_mix and out_norm_weight is not None:
+        # The FP32-mix norm: the serving flags' launch (fused_attn_res_quant's, without the FP8 output).
+        fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                         eps if out_norm_eps is None else out_norm_eps, round_mix=False)
+        _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
+        return out, fused.new_prefix
     fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
                                      eps if out_norm_eps is None else out_norm_eps)
     nw, pw = prepare_weights(norm_weight, proj_weight)
     _launch_forward(raw(prefix_sum), raw(block_residual), raw(nw), raw(pw), raw(out), int(num_valid_blocks),
                     float(eps), num_vector_cores(prefix_sum.device), fused.map(raw))
     return out, fused.new_prefix
+
+
+def _launch_serving(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
+                    proj_weight: torch.Tensor, K: int, eps: float, fused: _FusedArgs, out: torch.Tensor) -> None:
+    # The FP32-mix norm and the FP8 output keep a row between passes in an FP32 scratch row per program; the grid
+    # is at most one program per vector core (_launch_forward), so [cores, H] is enough for any T.
+    cores = num_vector_cores(prefix_sum.device)
+    if fused.needs_scratch:
+        fused = fused.with_scratch(torch.empty((cores, prefix_sum.size(1)), dtype=torch.float32,
+                                               device=prefix_sum.device))
+    nw, pw = prepare_weights(norm_weight, proj_weight)
+    _launch_forward(raw(prefix_sum), raw(block_residual), raw(nw), raw(pw), kernel_output(raw(out)), K, float(eps),
+                    cores, fused.map(raw))
+
+
+def fused_attn_res_quant(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                         norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                         block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                         out_norm_eps: float | None = None, *, out_dtype: torch.dtype,
+                         round_mix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res.quant on Ascend NPU (PrivateUse1) tensors (arguments already checked by
+    ``k3_ops._C.check_fused_attn_res_quant``). Returns ``(q, new_prefix, scale)``. One launch of
+    ``attn_res_npu_kernel`` with its serving flags: the FP8 output is quantised in a last pass over the program's
+    scratch row, once the row's scale is known. fp64 and T = 0 run the reference composition.
+    """
+    trivial = trivial_serving_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                   eps, block_write_idx, out_norm_weight, out_norm_eps, inplace=False,
+                                   out_dtype=out_dtype, round_mix=round_mix, attn_res_fn=attn_res_forward)
+    if trivial is not None:
+        return trivial
+    fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                     eps if out_norm_eps is None else out_norm_eps, round_mix=round_mix,
+                                     out_dtype=out_dtype)
+    _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
+    return out, fused.new_prefix, fused.scale
+
+
+def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                    norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                    block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                    out_norm_eps: float | None = None, *, out_dtype: torch.dtype | None = None,
+                    round_mix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res_ on Ascend NPU (PrivateUse1) tensors (arguments already checked by
+    ``k3_ops._C.check_fused_attn_res_inplace``): the new prefix is stored back into prefix_sum in pass 2 of the same
+    launch. Returns ``(out, scale)`` (scale empty without an FP8 out_dtype). fp64 and T = 0 run the reference
+    composition.
+    """
+    trivial = trivial_serving_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                   eps, block_write_idx, out_norm_weight, out_norm_eps, inplace=True,
+                                   out_dtype=out_dtype, round_mix=round_mix, attn_res_fn=attn_res_forward)
+    if trivial is not None:
+        return trivial
+    fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                     eps if out_norm_eps is None else out_norm_eps, inplace=True,
+                                     round_mix=round_mix, out_dtype=out_dtype)
+    _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
+    return out, fused.scale if fused.scale is not None else out.new_empty((0,), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------------------

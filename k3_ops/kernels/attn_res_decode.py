@@ -35,11 +35,11 @@ from .attn_res_fwd import (
     _acc_full,
     _add_addend,
     _block_row_ptrs,
-    _fused_epilogue,
     _load_folded_weight,
     _online_update,
     _prefix_row_ptrs,
     _score,
+    _serving_epilogue,
     _stats,
     _store_out,
     gdc_launch_dependents_if,
@@ -54,7 +54,10 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                           ACC64: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
                           addend_ptr=None, newp_ptr=None, onw_ptr=None, stride_at=0, stride_ah=0, stride_nt=0,
                           write_idx=0, out_eps=1.0, HAS_ADDEND: tl.constexpr = False, FUSED: tl.constexpr = False,
-                          SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False):
+                          SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False, scale_ptr=None,
+                          INPLACE_PREFIX: tl.constexpr = False, NORM_FP32_MIX: tl.constexpr = False,
+                          FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False,
+                          FP8_MAX: tl.constexpr = 448.0):
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -88,7 +91,11 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
     m, l_sum, acc = _online_update(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64)
     mix = acc / l_sum.to(tl.float32)
     if FUSED:
-        _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, t, cols, hmask, mix, v, K, H, out_eps, stride_ot,
-                        stride_nt, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT, OUT_NORM)
+        # The rows kernel's epilogue: new_prefix (or, INPLACE_PREFIX, prefix itself: this program read its row
+        # above and no other program touches it), the snapshot, the output norm and the FP8 output.
+        _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_ptr, t, cols, hmask, mix, v, K,
+                          H, out_eps, stride_ot, stride_nt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh,
+                          write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT, OUT_NORM, INPLACE_PREFIX, NORM_FP32_MIX,
+                          FP8_OUT, FP8_FNUZ, FP8_MAX)
     else:
         _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)

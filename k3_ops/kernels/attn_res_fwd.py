@@ -144,20 +144,27 @@ def _add_addend(v, addend_ptr, t, cols, mask, stride_at, stride_ah, VEC: tl.cons
 
 
 @triton.jit
+def _store_snapshot(blocks_ptr, t, cols, mask, value, stride_bt, stride_bc, stride_bh, write_idx, VEC: tl.constexpr,
+                    H_STRIDED: tl.constexpr):
+    # The snapshot row blocks[t, write_idx] (a slot >= K, never read by the mix).
+    ptrs = _block_row_ptrs(blocks_ptr, t, write_idx, cols, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
+    tl.store(ptrs, value.to(blocks_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_new_prefix(newp_ptr, blocks_ptr, t, cols, mask, value, stride_nt, stride_bt, stride_bc, stride_bh,
                       write_idx, VEC: tl.constexpr, H_STRIDED: tl.constexpr, SNAPSHOT: tl.constexpr):
     # new_prefix row (contiguous [T, H]) and, at a block boundary, the snapshot row blocks[t, write_idx]: the
     # same I/O-dtype values, so the two are equal bit for bit.
     _store_out(newp_ptr, t, cols, mask, value, stride_nt, VEC)
     if SNAPSHOT:
-        ptrs = _block_row_ptrs(blocks_ptr, t, write_idx, cols, stride_bt, stride_bc, stride_bh, VEC, H_STRIDED)
-        tl.store(ptrs, value.to(blocks_ptr.dtype.element_ty), mask=mask)
+        _store_snapshot(blocks_ptr, t, cols, mask, value, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED)
 
 
 @triton.jit
-def _round_mix(mix, out_ptr):
-    # The mix as the unfused pipeline's RMSNorm sees it: rounded to the I/O dtype first.
-    return mix.to(out_ptr.dtype.element_ty).to(tl.float32)
+def _round_mix(mix, io_ptr):
+    # The mix as the unfused pipeline's RMSNorm sees it: rounded to the I/O dtype (io_ptr's element type) first.
+    return mix.to(io_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -173,19 +180,125 @@ def _apply_out_norm(x, scale, onw_ptr, cols, mask):
     return x * scale * g
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Serving-call helpers: kimi_k3::fused_attn_res_ (prefix updated in place) and fused_attn_res.quant (FP8 output),
+# both also selecting the output norm's rounding point. Reached only with their constexpr flags set
+# (INPLACE_PREFIX, NORM_FP32_MIX, FP8_OUT), all False by default, so every other variant compiles as before.
+#
+# Contract, for any kernel that computes a token's FP32 mix (the rows kernel, the NPU kernel, a per-token decode
+# kernel); none reads or writes anything but the rows named, all flags are constexprs:
+#   _store_updated_prefix(...)  stores a token's prefix candidate ``value`` (round(prefix + addend), I/O dtype) as
+#       the new prefix: into new_prefix (newp_ptr, contiguous) or, with INPLACE_PREFIX, back into prefix_ptr at
+#       prefix_sum's own strides (only with HAS_ADDEND: otherwise nothing changed), plus the snapshot row with
+#       SNAPSHOT. Each lane writes exactly the elements it loaded, so a program that has read (all of) the row it
+#       still needs may overwrite it; no other program reads that token's prefix.
+#   _norm_input(mix, mask, io_ptr, NORM_FP32_MIX)  what the output norm sees: the mix rounded to the I/O dtype
+#       (default: fused == rms_norm(attn_res(...))) or the FP32 mix itself (NORM_FP32_MIX: vLLM's kernels); 0 in
+#       masked lanes, so sums over the row are exact.
+#   _fp8_scale_part(y, mask, FP8_MAX)  the FP8 dequantisation scale of (a chunk of) a row ``y`` already rounded
+#       to the model dtype: max over lanes of div_rn(max(|y|, 1e-10), FP8_MAX). x -> div_rn(x, FP8_MAX) is
+#       monotone, so the max over a row's chunks is exactly div_rn(max(amax, 1e-10), FP8_MAX), with no scalar
+#       division (which triton-ascend's adapter cannot lower).
+#   _fp8_bits(y, scale, FP8_MAX, FNUZ)  q = clamp(div_rn(y, scale), -FP8_MAX, FP8_MAX) as e4m3 bit patterns
+#       (int32 in [0, 255]; see _e4m3_bits), to be stored through a uint8 view of the FP8 output.
+#   _serving_row_out(...)  all of the output side for a complete row held in registers: norm, rounding, FP8
+#       scale and bits, the store of out (and of scale_ptr[t]).
+# --------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, t, cols, hmask, mix, v, K, H, out_eps, stride_ot,
-                    stride_nt, stride_bt, stride_bc, stride_bh, write_idx, VEC: tl.constexpr,
-                    H_STRIDED: tl.constexpr, SNAPSHOT: tl.constexpr, OUT_NORM: tl.constexpr):
-    # A complete token row (rows kernel): v is its prefix candidate (new_prefix), mix its FP32 mix.
-    _store_new_prefix(newp_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_bt, stride_bc, stride_bh,
-                      write_idx, VEC, H_STRIDED, SNAPSHOT)
-    # K = 0: the mix IS new_prefix (attn_res's exact copy); 0 * acc + 1 * v would turn -0.0 into +0.0.
-    mix = tl.where(K == 0, v.to(tl.float32), mix)
+def _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, mask, value, stride_nt, stride_pt, stride_ph,
+                          stride_bt, stride_bc, stride_bh, write_idx, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
+                          HAS_ADDEND: tl.constexpr, SNAPSHOT: tl.constexpr, INPLACE_PREFIX: tl.constexpr):
+    if INPLACE_PREFIX:
+        if HAS_ADDEND:
+            tl.store(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED),
+                     value.to(prefix_ptr.dtype.element_ty), mask=mask)
+        if SNAPSHOT:
+            _store_snapshot(blocks_ptr, t, cols, mask, value, stride_bt, stride_bc, stride_bh, write_idx, VEC,
+                            H_STRIDED)
+    else:
+        _store_new_prefix(newp_ptr, blocks_ptr, t, cols, mask, value, stride_nt, stride_bt, stride_bc, stride_bh,
+                          write_idx, VEC, H_STRIDED, SNAPSHOT)
+
+
+@triton.jit
+def _norm_input(mix, mask, io_ptr, NORM_FP32_MIX: tl.constexpr):
+    if NORM_FP32_MIX:
+        return tl.where(mask, mix, 0.0)
+    else:
+        return tl.where(mask, _round_mix(mix, io_ptr), 0.0)
+
+
+@triton.jit
+def _fp8_scale_part(y, mask, FP8_MAX: tl.constexpr):
+    a = tl.maximum(tl.where(mask, tl.abs(y), 0.0), 1e-10)
+    return tl.max(tl.div_rn(a, tl.full(a.shape, FP8_MAX, tl.float32)), axis=0)
+
+
+@triton.jit
+def _e4m3_bits(x, FNUZ: tl.constexpr):
+    # fp32 -> e4m3 bit pattern, round to nearest even, for |x| <= the format's max (callers clamp), by integer
+    # arithmetic: identical to torch's conversion and independent of the backend's FP8 support.
+    # float8_e4m3fn: exponent bias 7, has -0.0, NaN 0x7F | sign. float8_e4m3fnuz: bias 8, no -0.0, NaN 0x80.
+    BIAS: tl.constexpr = 8 if FNUZ else 7
+    MIN_NORMAL: tl.constexpr = 2.0 ** (1 - BIAS)
+    SUB_SCALE: tl.constexpr = 2.0 ** (2 + BIAS)  # 1 / the subnormal step 2^(1 - BIAS - 3)
+    is_nan = x != x
+    sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+    # NaN lanes take the magnitude of 0 (their pattern is chosen below), so no lane's integer sum overflows.
+    mag = tl.where(is_nan, 0.0, x).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    ax = mag.to(tl.float32, bitcast=True)
+    # Normal range: round the 23-bit mantissa to 3 bits, ties to even (a carry correctly bumps the exponent), then
+    # rebias the exponent from 127 to BIAS.
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - ((127 - BIAS) << 3)
+    # Subnormal range: multiples of 2^(1 - BIAS - 3); adding and removing 2^23 rounds to the nearest even integer
+    # (exact here: the scaled value is below 8 and the scaling is a power of two).
+    sub = ((ax * SUB_SCALE + 8388608.0) - 8388608.0).to(tl.int32)
+    enc = tl.where(ax < MIN_NORMAL, sub, normal)
+    if FNUZ:
+        return tl.where(is_nan, 0x80, tl.where(enc == 0, 0, enc | (sign << 7)))
+    else:
+        return tl.where(is_nan, 0x7F | (sign << 7), enc | (sign << 7))
+
+
+@triton.jit
+def _fp8_bits(y, scale, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
+    q = tl.div_rn(y, scale + tl.zeros(y.shape, tl.float32))
+    q = tl.where(q != q, q, tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+    return _e4m3_bits(q, FNUZ)
+
+
+@triton.jit
+def _serving_row_out(out_ptr, io_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot,
+                     VEC: tl.constexpr, OUT_NORM: tl.constexpr, NORM_FP32_MIX: tl.constexpr, FP8_OUT: tl.constexpr,
+                     FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr):
+    y = mix
     if OUT_NORM:
-        x = tl.where(hmask, _round_mix(mix, out_ptr), 0.0)
-        mix = _apply_out_norm(x, _norm_scale(tl.sum(x * x, axis=0), H, out_eps), onw_ptr, cols, hmask)
-    _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)
+        x = _norm_input(mix, hmask, io_ptr, NORM_FP32_MIX)
+        y = _apply_out_norm(x, _norm_scale(tl.sum(x * x, axis=0), H, out_eps), onw_ptr, cols, hmask)
+    if FP8_OUT:
+        # The output as the model dtype holds it, then its per-token scale and FP8 bits.
+        yr = tl.where(hmask, _round_mix(y, io_ptr), 0.0)
+        scale = _fp8_scale_part(yr, hmask, FP8_MAX)
+        _store_out(out_ptr, t, cols, hmask, _fp8_bits(yr, scale, FP8_MAX, FP8_FNUZ), stride_ot, VEC)
+        tl.store(scale_ptr + t, scale)
+    else:
+        _store_out(out_ptr, t, cols, hmask, y, stride_ot, VEC)
+
+
+@triton.jit
+def _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_ptr, t, cols, hmask, mix, v, K, H,
+                      out_eps, stride_ot, stride_nt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, write_idx,
+                      VEC: tl.constexpr, H_STRIDED: tl.constexpr, HAS_ADDEND: tl.constexpr, SNAPSHOT: tl.constexpr,
+                      OUT_NORM: tl.constexpr, INPLACE_PREFIX: tl.constexpr, NORM_FP32_MIX: tl.constexpr,
+                      FP8_OUT: tl.constexpr, FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr):
+    # A complete token row (rows kernel): v is its prefix candidate (the new prefix), mix its FP32 mix.
+    _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt, stride_ph,
+                          stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT,
+                          INPLACE_PREFIX)
+    # K = 0: the mix IS the new prefix (attn_res's exact copy); 0 * acc + 1 * v would turn -0.0 into +0.0.
+    mix = tl.where(K == 0, v.to(tl.float32), mix)
+    _serving_row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC,
+                     OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -260,7 +373,10 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
                          PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
                          addend_ptr=None, newp_ptr=None, onw_ptr=None, stride_at=0, stride_ah=0, stride_nt=0,
                          write_idx=0, out_eps=1.0, HAS_ADDEND: tl.constexpr = False, FUSED: tl.constexpr = False,
-                         SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                         SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False, scale_ptr=None,
+                         INPLACE_PREFIX: tl.constexpr = False, NORM_FP32_MIX: tl.constexpr = False,
+                         FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
+                         USE_PDL: tl.constexpr = False):
     # Persistent: program pid handles tokens pid, pid + nprog, ... as ONE continuous stream of candidate rows
     # (token-major, K + 1 rows per token), so the prefetch runs across token boundaries and the memory system
     # never waits for a new token to start; the folded weight is loaded once per program, not once per token.
@@ -292,9 +408,11 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
             m, l_sum, acc = _online_update(x, w, m, l_sum, acc, H, eps, ACC64)
             if j % (K + 1) == K:
                 if FUSED:
-                    _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, pid + (j // (K + 1)) * nprog, cols, hmask,
-                                    acc / l_sum.to(tl.float32), xr, K, H, out_eps, stride_ot, stride_nt,
-                                    stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT, OUT_NORM)
+                    _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_ptr,
+                                      pid + (j // (K + 1)) * nprog, cols, hmask, acc / l_sum.to(tl.float32), xr, K, H,
+                                      out_eps, stride_ot, stride_nt, stride_pt, stride_ph, stride_bt, stride_bc,
+                                      stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT, OUT_NORM,
+                                      INPLACE_PREFIX, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX)
                 else:
                     _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l_sum.to(tl.float32),
                                stride_ot, VEC)
@@ -316,9 +434,11 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
         if j % (K + 1) == K:
             # Last candidate of a token: write its row, start the next token's softmax.
             if FUSED:
-                _fused_epilogue(out_ptr, newp_ptr, blocks_ptr, onw_ptr, pid + (j // (K + 1)) * nprog, cols, hmask,
-                                acc / l_sum.to(tl.float32), v, K, H, out_eps, stride_ot, stride_nt, stride_bt,
-                                stride_bc, stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT, OUT_NORM)
+                _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_ptr,
+                                  pid + (j // (K + 1)) * nprog, cols, hmask, acc / l_sum.to(tl.float32), v, K, H,
+                                  out_eps, stride_ot, stride_nt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh,
+                                  write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT, OUT_NORM, INPLACE_PREFIX,
+                                  NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX)
             else:
                 _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l_sum.to(tl.float32), stride_ot,
                            VEC)
@@ -545,7 +665,9 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
                         COMPENSATED: tl.constexpr,
                         addend_ptr=None, newp_ptr=None, onw_ptr=None, stride_at=0, stride_ah=0, stride_nt=0,
                         write_idx=0, out_eps=1.0, HAS_ADDEND: tl.constexpr = False, FUSED: tl.constexpr = False,
-                        SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False):
+                        SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False, scale_ptr=None,
+                        scratch_ptr=None, INPLACE_PREFIX: tl.constexpr = False, NORM_FP32_MIX: tl.constexpr = False,
+                        FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0):
     # COMPENSATED (fp32 I/O): Ascend vector cores have no FP64, so where the CUDA kernels score in FP64 this one
     # keeps "double-float" (hi, lo) sums instead: per tile element across chunks with TwoSum (elementwise, so
     # cheap), then one TwoSum tree reduction per token. Plain FP32 sums would make the score's rounding the
@@ -554,6 +676,11 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
     # kept: H elements do not fit the Unified Buffer next to the tile); pass 2 writes new_prefix / the snapshot
     # chunk by chunk. OUT_NORM: pass 2 writes the rounded mix and sums its squares, pass 3 re-reads this
     # program's own output row and scales it in place (extra UB: see backends/npu.py, npu_block_h).
+    # Serving flags (the helpers' contract above): INPLACE_PREFIX stores the new prefix back into prefix_ptr in
+    # pass 2. NORM_FP32_MIX (with OUT_NORM) and FP8_OUT need a row the output cannot hold (the FP32 mix; the
+    # rounded, normed row before quantisation), so pass 2 writes it to this program's FP32 row of scratch_ptr
+    # ([programs, H]) instead of the output; pass 3 normalises it (OUT_NORM), and with FP8_OUT the scale needs the
+    # whole final row, so a last pass quantises from scratch (pass 3 writes the normed row back there first).
     pid = tl.program_id(0)
     t_begin = pid * tokens_per_prog
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
@@ -599,31 +726,58 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
         # Pass 2: re-read each chunk and write the mix.
         if FUSED:
             ss_mix = 0.0
+            fp8_scale = tl.full([], 0.0, tl.float32)
+            if (OUT_NORM and NORM_FP32_MIX) or FP8_OUT:
+                scratch_row = scratch_ptr + tl.cast(pid, tl.int64) * H
             for h0 in range(0, H, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
                 hmask = cols < H
                 x, newp = _load_npu_tile_fused(prefix_ptr, blocks_ptr, addend_ptr, t, K, rows, cols, hmask,
                                                stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_at,
                                                stride_ah, VEC, H_STRIDED, HAS_ADDEND)
-                _store_new_prefix(newp_ptr, blocks_ptr, t, cols, hmask, newp, stride_nt, stride_bt, stride_bc,
-                                  stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT)
+                _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, newp, stride_nt, stride_pt,
+                                      stride_ph, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED,
+                                      HAS_ADDEND, SNAPSHOT, INPLACE_PREFIX)
                 # K = 0: the mix IS new_prefix (attn_res's exact copy, -0.0 included).
                 mix = tl.where(K == 0, newp.to(tl.float32), tl.sum(p[:, None] * x, axis=0))
                 if OUT_NORM:
-                    mix = tl.where(hmask, _round_mix(mix, out_ptr), 0.0)
+                    mix = _norm_input(mix, hmask, prefix_ptr, NORM_FP32_MIX)
                     ss_mix += tl.sum(mix * mix, axis=0)
-                _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)
+                elif FP8_OUT:
+                    mix = tl.where(hmask, _round_mix(mix, prefix_ptr), 0.0)
+                    fp8_scale = tl.maximum(fp8_scale, _fp8_scale_part(mix, hmask, FP8_MAX))
+                if (OUT_NORM and NORM_FP32_MIX) or FP8_OUT:
+                    tl.store(scratch_row + cols, mix, mask=hmask)
+                else:
+                    _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)
             if OUT_NORM:
-                # Pass 3: this program's own output row, written just above, scaled in place.
+                # Pass 3: this program's own row, written just above, normalised.
                 tl.debug_barrier()
                 scale = _norm_scale(ss_mix, H, out_eps)
                 for h0 in range(0, H, BLOCK_H):
                     cols = h0 + tl.arange(0, BLOCK_H)
                     hmask = cols < H
-                    y = tl.load(out_ptr + tl.cast(t, tl.int64) * (stride_ot * VEC) + cols, mask=hmask,
-                                other=0.0).to(tl.float32)
-                    _store_out(out_ptr, t, cols, hmask, _apply_out_norm(y, scale, onw_ptr, cols, hmask), stride_ot,
-                               VEC)
+                    if (OUT_NORM and NORM_FP32_MIX) or FP8_OUT:
+                        y = tl.load(scratch_row + cols, mask=hmask, other=0.0)
+                    else:
+                        y = tl.load(out_ptr + tl.cast(t, tl.int64) * (stride_ot * VEC) + cols, mask=hmask,
+                                    other=0.0).to(tl.float32)
+                    y = _apply_out_norm(y, scale, onw_ptr, cols, hmask)
+                    if FP8_OUT:
+                        y = tl.where(hmask, _round_mix(y, prefix_ptr), 0.0)
+                        fp8_scale = tl.maximum(fp8_scale, _fp8_scale_part(y, hmask, FP8_MAX))
+                        tl.store(scratch_row + cols, y, mask=hmask)
+                    else:
+                        _store_out(out_ptr, t, cols, hmask, y, stride_ot, VEC)
+            if FP8_OUT:
+                # Last pass: the row (rounded to the model dtype) quantised with the whole row's scale.
+                tl.debug_barrier()
+                for h0 in range(0, H, BLOCK_H):
+                    cols = h0 + tl.arange(0, BLOCK_H)
+                    hmask = cols < H
+                    y = tl.load(scratch_row + cols, mask=hmask, other=0.0)
+                    _store_out(out_ptr, t, cols, hmask, _fp8_bits(y, fp8_scale, FP8_MAX, FP8_FNUZ), stride_ot, VEC)
+                tl.store(scale_ptr + t, fp8_scale)
         else:
             for h0 in range(0, H, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
