@@ -173,7 +173,7 @@ def test_inplace_contract(case: ServingCase, device: str):
 @pytest.mark.parametrize("case", case_params([c for c in CASES if c.base.T and c.base.dtype != torch.float64]))
 def test_round_mix_true_is_fused_attn_res(case: ServingCase, device: str):
     """round_mix=True: the in-place call's outputs are the out-of-place fused_attn_res's: bit for bit on the CPU;
-    on a GPU within one output ulp (the serving calls run the rows kernel, fused_attn_res may take the split
+    on a GPU within one output ulp (the serving calls run the token or rows kernel, fused_attn_res may take the split
     path, whose sums run in another order)."""
     case = replace(case, round_mix=True, out_dtype=None)
     args = case.make(device)
@@ -336,22 +336,22 @@ def test_policies_under_interpreter(case: ServingCase, policy: str):
 
 @requires_interpreter
 @pytest.mark.interpreter
-def test_cuda_policy_routes_serving_calls_to_rows(monkeypatch):
-    """At decode sizes the table picks the split path; the serving calls run on the rows kernel instead, and the
-    plain fused_attn_res still takes the split path."""
+def test_cuda_policy_routes_serving_calls_to_token(monkeypatch):
+    """Where the table picks the split path (T <= 4, K = 5..8) the serving calls run on the per-token kernel
+    instead (the split kernel has no serving flags), and the plain fused_attn_res still takes the split path."""
     from k3_ops.backends import cuda
 
     kernels = []
     real = cuda._launch_forward
     monkeypatch.setattr(cuda, "_launch_forward", lambda plan, *a, **k: (kernels.append(plan.kernel),
                                                                          real(plan, *a, **k))[1])
-    case = ServingCase(FusedCase(S(2, 2, 3, 64), norm="own"))
-    assert cuda.choose_config(2, 2, 64, torch.device("cpu")).kernel == "split"
+    case = ServingCase(FusedCase(S(2, 6, 7, 64), norm="own"))
+    assert cuda.choose_config(2, 6, 64, torch.device("cpu")).kernel == "split"
     cuda.fused_attn_res_(*positional(case.make("cpu")), round_mix=False)
     cuda.fused_attn_res_quant(*positional(case.make("cpu")), out_dtype=torch.float8_e4m3fn)
     cuda.fused_attn_res(*positional(case.make("cpu")), round_mix=False)
     cuda.fused_attn_res(*positional(case.make("cpu")))
-    assert kernels == ["rows", "rows", "rows", "split"]
+    assert kernels == ["token", "token", "token", "split"]
 
 
 @requires_interpreter
