@@ -1,4 +1,4 @@
-// Autograd of kimi_k3::attn_res and kimi_k3::attn_res_backward, in C++.
+// Autograd (and ADInplaceOrView) kernels of the kimi_k3 ops, in C++.
 //
 // Why C++: an Autograd kernel registered from Python (torch.library.register_autograd) runs on every call, with
 // or without grad, and redispatches to the device kernel through Python again: about 18 us of host time per call
@@ -16,7 +16,10 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <ATen/core/grad_mode.h>
+
 #include <array>
+#include <string>
 #include <stdexcept>
 #include <tuple>
 
@@ -132,11 +135,65 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_res_backward_autograd(
   return {outs[0], outs[1], outs[2]};
 }
 
+// --- The inference ops (fused_attn_res, fused_attn_res.quant, fused_attn_res_) ---------------------------------
+// No backward. Autograd: where autograd would have to record one (grad mode on and an input requires grad), fail
+// before anything is written instead of returning outputs that silently carry no gradient; otherwise go on below
+// autograd. ADInplaceOrView: bump the version counter of every argument the schema marks as written (Tensor(a!)),
+// as torch does for its own in-place ops (a Triton store is invisible to autograd otherwise). Both are boxed, so
+// one pair serves every overload; both used to be Python kernels run on every call.
+void inference_only_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  if (at::GradMode::is_enabled()) {
+    std::string needs;
+    const auto first = stack->size() - args.size();
+    for (size_t i = 0; i < args.size(); ++i) {
+      const c10::IValue& v = (*stack)[first + i];
+      if (v.isTensor() && v.toTensor().requires_grad()) {
+        needs += (needs.empty() ? "" : ", ") + args[i].name();
+      }
+    }
+    if (!needs.empty()) {
+      const auto& name = op.schema().operator_name();
+      throw std::runtime_error(
+          name.name + (name.overload_name.empty() ? "" : "." + name.overload_name) +
+          " is an inference op and has no backward, but " + needs +
+          " requires grad (with grad mode on); for training use k3_ops.attn_res (differentiable) with the residual "
+          "add, snapshot copy and RMSNorm as separate ops, or call it under torch.no_grad() / "
+          "torch.inference_mode()");
+    }
+  }
+  at::AutoDispatchBelowAutograd guard;
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+void inference_only_inplace_or_view(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                                    torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const auto first = stack->size() - args.size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto* alias = args[i].alias_info();
+    const c10::IValue& v = (*stack)[first + i];
+    if (alias != nullptr && alias->isWrite() && v.isTensor()) {
+      v.toTensor().unsafeGetTensorImpl()->bump_version();
+    }
+  }
+  op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kimi_k3, Autograd, m) {
   m.impl("attn_res", &attn_res_autograd);
   m.impl("attn_res_backward", &attn_res_backward_autograd);
+  for (const char* name : {"fused_attn_res", "fused_attn_res.quant", "fused_attn_res_"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&inference_only_autograd>());
+  }
+}
+
+TORCH_LIBRARY_IMPL(kimi_k3, ADInplaceOrView, m) {
+  for (const char* name : {"fused_attn_res", "fused_attn_res.quant", "fused_attn_res_"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&inference_only_inplace_or_view>());
+  }
 }
 
 }  // namespace k3_ops

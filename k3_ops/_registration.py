@@ -149,56 +149,20 @@ def _fused_attn_res_inplace_npu(prefix_sum, addend, block_residual, norm_weight,
     return npu.fused_attn_res_(*args, out_dtype=out_dtype, round_mix=round_mix)
 
 
-def _inference_only(op: torch._ops.OpOverload, mutated: tuple[str, ...]):
-    """The Autograd and ADInplaceOrView kernels of an inference op that mutates the arguments named ``mutated``.
-
-    Autograd: the fused ops have no backward. Where autograd would have to record one (grad mode on and an input
-    requires grad) fail *before* anything is written, instead of returning outputs that silently carry no
-    gradient; otherwise run the device kernel below autograd (what opcheck asks of a non-differentiable op).
-    ADInplaceOrView: bump each mutated tensor's version counter on every device, as torch does for its own
-    in-place ops (a Triton store is invisible to autograd otherwise), then go on to the kernel.
-    """
-    names = [a.name for a in op._schema.arguments]
-    positions = [names.index(name) for name in mutated]
-    label = op._schema.name + (f".{op._schema.overload_name}" if op._schema.overload_name else "")
-
-    def autograd(keyset, *args, **kwargs):
-        if torch.is_grad_enabled():
-            needs_grad = [name for name, a in zip(names, args) if isinstance(a, torch.Tensor) and a.requires_grad]
-            if needs_grad:
-                raise RuntimeError(
-                    f"{label} is an inference op and has no backward, but {', '.join(needs_grad)} requires grad "
-                    "(with grad mode on); for training use k3_ops.attn_res (differentiable) with the residual add, "
-                    "snapshot copy and RMSNorm as separate ops, or call it under torch.no_grad() / "
-                    "torch.inference_mode()")
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
-
-    def inplace_or_view(keyset, *args, **kwargs):
-        for i in positions:
-            torch.autograd.graph.increment_version(args[i])
-        return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
-
-    return autograd, inplace_or_view
-
-
-def _register_inference_op(name: str, cpu, cuda, npu, mutated: tuple[str, ...]) -> None:
-    packet, _, overload = name.partition(".")
-    autograd, inplace_or_view = _inference_only(getattr(getattr(torch.ops.kimi_k3, packet), overload or "default"),
-                                                mutated)
+def _register_inference_op(name: str, cpu, cuda, npu) -> None:
+    # The device kernels. The Autograd kernel (refuse where a backward would be recorded, else go on) and the
+    # ADInplaceOrView kernel (bump the version counter of every Tensor(a!) argument) are C++:
+    # csrc_meta/autograd.cpp.
     _lib.impl(name, cpu, "CPU")
     _lib.impl(name, cuda, "CUDA")
     _lib.impl(name, npu, "PrivateUse1")
-    _lib.impl(name, autograd, "Autograd", with_keyset=True)
-    _lib.impl(name, inplace_or_view, "ADInplaceOrView", with_keyset=True)
 
 
-_register_inference_op("fused_attn_res", _fused_attn_res_cpu, _fused_attn_res_cuda, _fused_attn_res_npu,
-                       ("block_residual",))
+_register_inference_op("fused_attn_res", _fused_attn_res_cpu, _fused_attn_res_cuda, _fused_attn_res_npu)
 _register_inference_op("fused_attn_res.quant", _fused_attn_res_quant_cpu, _fused_attn_res_quant_cuda,
-                       _fused_attn_res_quant_npu, ("block_residual",))
+                       _fused_attn_res_quant_npu)
 _register_inference_op("fused_attn_res_", _fused_attn_res_inplace_cpu, _fused_attn_res_inplace_cuda,
-                       _fused_attn_res_inplace_npu, ("prefix_sum", "block_residual"))
+                       _fused_attn_res_inplace_npu)
 
 
 # --- attn_res_backward and autograd ---------------------------------------------------------------------
