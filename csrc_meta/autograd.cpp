@@ -19,6 +19,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <array>
+#include <initializer_list>
 #include <string>
 #include <stdexcept>
 #include <tuple>
@@ -71,6 +72,12 @@ class AttnResBackwardFunction : public torch::autograd::Function<AttnResBackward
   }
 };
 
+bool records(std::initializer_list<const at::Tensor*> inputs);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_res_backward_autograd(
+    const at::Tensor& grad_out, const at::Tensor& prefix_sum, const at::Tensor& block_residual,
+    const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+    std::array<bool, 3> output_mask);
+
 class AttnResFunction : public torch::autograd::Function<AttnResFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& prefix_sum, const at::Tensor& block_residual,
@@ -99,13 +106,11 @@ class AttnResFunction : public torch::autograd::Function<AttnResFunction> {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &prefix_sum = saved[0], &block_residual = saved[1], &norm_weight = saved[2],
                      &proj_weight = saved[3];
-    // Through the op's own Autograd kernel (AttnResBackwardFunction), so that create_graph=True records a node
-    // whose backward refuses clearly.
-    auto outs = AttnResBackwardFunction::apply(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
-                                               ctx->saved_data["num_valid_blocks"].toInt(),
-                                               ctx->saved_data["eps"].toDouble(),
-                                               std::array<bool, 3>{need_prefix, need_blocks, need_norm || need_proj});
-    const at::Tensor& grad_w = outs[2];
+    // Through the op's own autograd (AttnResBackwardFunction where a graph is built, create_graph=True), so that a
+    // second differentiation finds a node whose backward refuses clearly.
+    auto [grad_p, grad_b, grad_w] = attn_res_backward_autograd(
+        grad_out, prefix_sum, block_residual, norm_weight, proj_weight, ctx->saved_data["num_valid_blocks"].toInt(),
+        ctx->saved_data["eps"].toDouble(), std::array<bool, 3>{need_prefix, need_blocks, need_norm || need_proj});
     at::Tensor grad_norm, grad_proj;
     if (need_norm) {
       grad_norm = (grad_w * proj_weight.reshape({-1}).to(grad_w.scalar_type())).to(norm_weight.scalar_type());
@@ -115,14 +120,32 @@ class AttnResFunction : public torch::autograd::Function<AttnResFunction> {
                       .reshape_symint(proj_weight.sym_sizes())
                       .to(proj_weight.scalar_type());
     }
-    return {need_prefix ? outs[0] : at::Tensor(), need_blocks ? outs[1] : at::Tensor(), grad_norm, grad_proj,
+    return {need_prefix ? grad_p : at::Tensor(), need_blocks ? grad_b : at::Tensor(), grad_norm, grad_proj,
             at::Tensor(), at::Tensor()};
   }
 };
 
+// Whether autograd must record this call: grad mode on and some tensor input requires grad. Inference calls skip
+// the Function machinery (node, saved variables) altogether.
+bool records(std::initializer_list<const at::Tensor*> inputs) {
+  if (!at::GradMode::is_enabled()) {
+    return false;
+  }
+  for (const at::Tensor* t : inputs) {
+    if (t->requires_grad()) {
+      return true;
+    }
+  }
+  return false;
+}
+
 at::Tensor attn_res_autograd(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
                              const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks,
                              double eps) {
+  if (!records({&prefix_sum, &block_residual, &norm_weight, &proj_weight})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
+  }
   return AttnResFunction::apply(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
 }
 
@@ -130,6 +153,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_res_backward_autograd(
     const at::Tensor& grad_out, const at::Tensor& prefix_sum, const at::Tensor& block_residual,
     const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
     std::array<bool, 3> output_mask) {
+  if (!records({&grad_out, &prefix_sum, &block_residual, &norm_weight, &proj_weight})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                  eps, output_mask);
+  }
   auto outs = AttnResBackwardFunction::apply(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
                                              num_valid_blocks, eps, output_mask);
   return {outs[0], outs[1], outs[2]};

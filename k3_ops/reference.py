@@ -111,7 +111,10 @@ def fp8_quant_reference(y: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.
     ``q.float() * scale`` approximates ``y``."""
     fp8_max = FP8_MAX[out_dtype]
     yf = y.to(torch.float32)
-    scale = torch.clamp_min(yf.abs().amax(dim=-1, keepdim=True), FP8_SCALE_FLOOR) / fp8_max
+    amax = torch.clamp_min(yf.abs().amax(dim=-1, keepdim=True), FP8_SCALE_FLOOR)
+    # Divided by a tensor, not a Python scalar: on CUDA torch turns division by a scalar into a multiplication by
+    # its reciprocal, which rounds differently from the correctly rounded division the CPU (and the kernels) do.
+    scale = amax / torch.full_like(amax, fp8_max)
     q = torch.clamp(yf / scale, -fp8_max, fp8_max).to(out_dtype)
     return q.contiguous(), scale.contiguous()
 
