@@ -77,6 +77,7 @@ __all__ = [
     "warmup",
     "npu_bwd_block_h",
     "attn_res_backward",
+    "backward_plan",
 ]
 
 # --------------------------------------------------------------------------------------------------------------
@@ -256,7 +257,8 @@ def _launch_forward(prefix_sum, block_residual, nw, pw, out, K: int, eps: float,
         prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
         block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec,
         BLOCK_H=block_h, K_PAD=k_pad, VEC=vec, H_STRIDED=h_strided,
-        COMPENSATED=compensated, **fused_kernel_args(fused, vec), **launch_options(), **compile_options())
+        COMPENSATED=compensated, NPU_NORM_SCALE=True, **fused_kernel_args(fused, vec), **launch_options(),
+        **compile_options())
 
 
 def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
@@ -419,12 +421,18 @@ def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_re
                                                   num_valid_blocks, eps, output_mask)
     if trivial is not None:
         return trivial
+    return _backward.run_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                           num_valid_blocks, eps, output_mask,
+                                           backward_plan(prefix_sum, int(num_valid_blocks)), raw=raw)
+
+
+def backward_plan(prefix_sum: torch.Tensor, num_valid_blocks: int) -> _backward.BackwardPlan:
+    """The NPU backward launch for prefix_sum's shape, dtype and device and K: the tiles kernel, one program per
+    vector core, double-float statistics (Ascend vector cores have no FP64), grad_prefix's row taken out of the dv
+    tile by an exact masked sum (the form triton-ascend lowers: ``attn_res_bwd_kernel``'s PREFIX_ROW_SUM)."""
     H = prefix_sum.size(1)
     k_pad = next_power_of_2(int(num_valid_blocks) + 1)
-    plan = _backward.BackwardPlan(num_programs=num_vector_cores(prefix_sum.device),
+    return _backward.BackwardPlan(num_programs=num_vector_cores(prefix_sum.device),
                                   block_h=npu_bwd_block_h(H, k_pad, prefix_sum.element_size()), k_pad=k_pad,
-                                  acc64=False, df=True,  # Ascend vector cores have no FP64: double-float
-                                  launch_options=tuple(launch_options().items()),
-                                  compile_options=tuple(compile_options().items()))
-    return _backward.run_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
-                                           num_valid_blocks, eps, output_mask, plan, raw=raw)
+                                  acc64=False, df=True, launch_options=tuple(launch_options().items()),
+                                  compile_options=tuple(compile_options().items()), prefix_row_sum=True)
