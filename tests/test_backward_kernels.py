@@ -303,6 +303,34 @@ def test_interpreter_strided_inputs(policy: str):
         assert bits_equal(a, b)
 
 
+@requires_interpreter
+@pytest.mark.interpreter
+def test_npu_prefix_row_sum_is_bit_exact():
+    # The NPU plan takes grad_prefix's row out of the dv tile by a masked sum of its bit patterns instead of a store
+    # through a zero-stride pointer tile (which triton-ascend cannot lower): the same bits, signed zeros included
+    # (a float sum would start from +0.0 and lose them). Columns where w and the prefix are zero and grad_out is
+    # -0.0 give dv = -0.0 wherever gs_K < 0.
+    from dataclasses import replace
+
+    from k3_ops.backends import _backward, npu
+
+    sample = Sample(T=7, K=3, cap=5, H=40, dtype=torch.float32)
+    args = sample.make("cpu")
+    args["norm_weight"][:4] = 0.0
+    args["prefix_sum"][:, :4] = 0.0
+    gy = grad_out_for(sample, "cpu")
+    gy[:, :4] = -0.0
+    with npu.substitute(num_vector_cores=lambda device: 3):
+        plan = npu.backward_plan(args["prefix_sum"], sample.K)
+        assert plan.prefix_row_sum and plan.df and plan.kernel == "tiles"
+        summed = npu.attn_res_backward(gy, *positional(args), FULL)
+        tiled = _backward.run_attn_res_backward(gy, *positional(args), FULL, replace(plan, prefix_row_sum=False))
+    for a, b in zip(summed, tiled):
+        assert bits_equal(a, b)
+    gp = summed[0]
+    assert bool(((gp == 0) & gp.signbit()).any()), "no -0.0 in grad_prefix: the signed-zero case went untested"
+
+
 # --------------------------------------------------------------------------------------------------------------
 # CUDA (the H200): the compiled kernels at training sizes, through the registered op.
 # --------------------------------------------------------------------------------------------------------------

@@ -53,11 +53,11 @@ def _cuda_backward(kernel: str):
     return call
 
 
-def _npu(fn_name: str):
+def _npu(fn_name: str, forward_kernel: str | None = None):
     def call(args, gy):
         from k3_ops.backends import npu
 
-        with npu.substitute(num_vector_cores=lambda device: 3):
+        with npu.substitute(num_vector_cores=lambda device: 3, forward_kernel=forward_kernel):
             if fn_name == "attn_res_backward":
                 return npu.attn_res_backward(gy, *positional(args), FULL)
             if fn_name == "fused_attn_res":
@@ -85,6 +85,8 @@ def _cuda_forward(path: str):
 CALLS = {
     "npu-forward": _npu("attn_res_forward"),
     "npu-fused": _npu("fused_attn_res"),
+    "npu-forward-two-pass": _npu("attn_res_forward", "two_pass"),
+    "npu-fused-two-pass": _npu("fused_attn_res", "two_pass"),
     "npu-backward": _npu("attn_res_backward"),
     "cuda-backward-rows": _cuda_backward("rows"),
     "cuda-backward-stats-apply": _cuda_backward("stats_apply"),

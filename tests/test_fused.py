@@ -212,7 +212,7 @@ def _truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 @requires_interpreter
 @pytest.mark.interpreter
-@pytest.mark.parametrize("policy", ["cuda", "npu"])
+@pytest.mark.parametrize("policy", ["cuda", "npu", "npu-two-pass"])  # "npu": the single-read kernel at these H
 @pytest.mark.parametrize("case", case_params(INTERPRETER_CASES))
 def test_launch_policy_under_interpreter(case: FusedCase, policy: str):
     """The CUDA and NPU backends' fused_attn_res on CPU tensors (the CPU dispatch key runs the reference, so
@@ -225,8 +225,10 @@ def test_launch_policy_under_interpreter(case: FusedCase, policy: str):
     args = case.make("cpu")
     buf = args["block_residual"]
     buf_before = buf.clone()
-    if policy == "npu":
-        with npu.substitute(num_vector_cores=lambda device: 8):
+    if policy.startswith("npu"):
+        forced = "two_pass" if policy == "npu-two-pass" else None
+        assert forced or npu.forward_plan(case.base.H, case.base.K, case.base.dtype).kernel == "single_read"
+        with npu.substitute(num_vector_cores=lambda device: 8, forward_kernel=forced):
             out, new_prefix = npu.fused_attn_res(*positional(args))
             mix = npu.attn_res_forward(new_prefix, buf, args["norm_weight"], args["proj_weight"], case.base.K,
                                        case.base.eps)

@@ -301,7 +301,7 @@ INTERPRETER_CASES = [c for c in CASES if c.base.T and c.base.dtype != torch.floa
 
 @requires_interpreter
 @pytest.mark.interpreter
-@pytest.mark.parametrize("policy", ["cuda", "npu"])
+@pytest.mark.parametrize("policy", ["cuda", "npu", "npu-two-pass"])  # "npu": its single-read kernel at these H
 @pytest.mark.parametrize("case", case_params(INTERPRETER_CASES))
 def test_policies_under_interpreter(case: ServingCase, policy: str):
     """The CUDA and NPU backends' fused_attn_res_ on CPU tensors (one kernel launch each), against the contract and
@@ -310,6 +310,7 @@ def test_policies_under_interpreter(case: ServingCase, policy: str):
     from k3_ops.backends import cuda, npu
 
     backend = cuda if policy == "cuda" else npu
+    forced = "two_pass" if policy == "npu-two-pass" else None
     launches = []
     real = backend._launch_forward
 
@@ -318,7 +319,7 @@ def test_policies_under_interpreter(case: ServingCase, policy: str):
 
     args = case.make("cpu")
     before = snapshot_args(args)
-    with npu.substitute(num_vector_cores=lambda device: 3):
+    with npu.substitute(num_vector_cores=lambda device: 3, forward_kernel=forced):
         backend._launch_forward = lambda *a, **k: (launches.append(1), real(*a, **k))[1]
         try:
             out, scale = call(args)

@@ -116,9 +116,19 @@ def test_cuda_policy_k3_hidden_size_under_interpreter(monkeypatch):
 
 @requires_interpreter
 @pytest.mark.interpreter
+@pytest.mark.parametrize("kernel", ["single_read", "two_pass"])
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in FLAG_CASES[1:]])
-def test_npu_on_simulated_device(simulated_npu, case: FusedCase):  # noqa: F811
-    """The registered op on PrivateUse1 tensors reaches the NPU policy's fused launch (one kernel launch)."""
+def test_npu_on_simulated_device(simulated_npu, case: FusedCase, kernel: str):  # noqa: F811
+    """The registered op on PrivateUse1 tensors reaches the NPU policy's fused launch (one kernel launch), with
+    each of the policy's forward kernels (the single-read one is its choice at these sizes)."""
+    from k3_ops.backends import npu
+
+    assert npu.forward_plan(case.base.H, case.base.K, case.base.dtype).kernel == "single_read"
+    with npu.substitute(forward_kernel=kernel):
+        _check_npu_on_simulated_device(simulated_npu, case)
+
+
+def _check_npu_on_simulated_device(simulated_npu, case: FusedCase):  # noqa: F811
     from k3_ops.backends import npu
 
     cpu_args = case.make("cpu")
@@ -142,6 +152,57 @@ def test_npu_on_simulated_device(simulated_npu, case: FusedCase):  # noqa: F811
     raw_args["block_residual"] = simulated_npu.raw(buf)
     check_contract(case, raw_args, buf_before, simulated_npu.raw(out), simulated_npu.raw(new_prefix),
                    simulated_npu.raw(mix), truncating_bf16=True)
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    # The NPU policy on CPU tensors: handed to Triton as they are (the module's simulated-NPU fixture, which maps
+    # wrapper tensors to their storage, may still be active when these run).
+    return t
+
+
+NPU_WIDE_CASES = [
+    # Wider than the single-read pre-pass chunk (new_prefix formed in SINGLE_READ_CHUNK pieces), the Kimi K3 size.
+    FusedCase(Sample(T=3, K=2, cap=4, H=7168, dtype=torch.bfloat16), norm="own", views=True),
+    FusedCase(Sample(T=4, K=3, cap=5, H=2500, dtype=torch.float32, layout="blockmajor"), write="last"),
+]
+
+
+@requires_interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kernel", ["single_read", "two_pass"])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in NPU_WIDE_CASES])
+def test_npu_policy_wide_rows_under_interpreter(case: FusedCase, kernel: str):
+    from k3_ops.backends import npu
+
+    assert npu.SINGLE_READ_CHUNK < case.base.H
+    args = case.make("cpu")
+    buf = args["block_residual"]
+    buf_before = buf.clone()
+    with npu.substitute(raw_tensor=_cpu, num_vector_cores=lambda device: 2, forward_kernel=kernel):
+        out, new_prefix = npu.fused_attn_res(*positional(args))
+        mix = npu.attn_res_forward(new_prefix, buf, args["norm_weight"], args["proj_weight"], case.base.K,
+                                   case.base.eps)
+    check_contract(case, args, buf_before, out, new_prefix, mix, truncating_bf16=True)
+
+
+@requires_interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kernel", ["single_read", "two_pass"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_npu_fused_k0_out_is_new_prefix(kernel: str, dtype: torch.dtype):
+    """K = 0: the mix IS new_prefix, bit for bit, signed zeros included (fp32 scores in double-float give the
+    prefix a weight of 1 + tiny, so p * x / p would not do)."""
+    from k3_ops.backends import npu
+
+    case = FusedCase(Sample(T=5, K=0, cap=2, H=40, dtype=dtype))
+    args = case.make("cpu")
+    args["prefix_sum"][:, :6] = -0.0
+    args["addend"][:, :6] = -0.0
+    with npu.substitute(raw_tensor=_cpu, num_vector_cores=lambda device: 2, forward_kernel=kernel):
+        out, new_prefix = npu.fused_attn_res(*positional(args))
+    assert bool(((new_prefix == 0) & new_prefix.signbit()).any())
+    assert torch.equal(bits(out), bits(new_prefix)), "out != new_prefix at K = 0"
+    assert torch.equal(bits(args["block_residual"][:, 0]), bits(new_prefix)), "snapshot row != new_prefix"
 
 
 # --- CUDA ------------------------------------------------------------------------------------------------

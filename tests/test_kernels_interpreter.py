@@ -24,15 +24,18 @@ from conftest import Sample, requires_interpreter
 pytestmark = [requires_interpreter, pytest.mark.interpreter]
 
 NPU_TEST_CORES = 8  # vector cores assumed for the NPU policy here: several tokens per program at T > 8
+#: The NPU policy as it chooses ("npu") and with each of its two forward kernels forced on every shape.
+NPU_POLICIES = ["npu", "npu-single-read", "npu-two-pass"]
 
 
 def run_policy(policy: str, args: dict, **kw) -> torch.Tensor:
     """attn_res through one launch policy's backend function (the CPU dispatch key runs the reference, so the
     Triton policies are called directly here; tests/test_npu_simulated.py goes through the dispatcher)."""
-    if policy == "npu":
+    if policy.startswith("npu"):
         from k3_ops.backends import npu
 
-        with npu.substitute(num_vector_cores=lambda device: NPU_TEST_CORES):
+        forced = {"npu": None, "npu-single-read": "single_read", "npu-two-pass": "two_pass"}[policy]
+        with npu.substitute(num_vector_cores=lambda device: NPU_TEST_CORES, forward_kernel=forced):
             return npu.attn_res_forward(**args, **kw)
     from k3_ops.backends import cuda
 
@@ -105,7 +108,7 @@ CONTRACT_CASES = [
 
 
 @pytest.mark.parametrize("sample,expected_path", [pytest.param(s, p, id=s.id) for s, p in CONTRACT_CASES])
-@pytest.mark.parametrize("policy", ["cuda", "npu"])
+@pytest.mark.parametrize("policy", ["cuda", "npu-single-read", "npu-two-pass"])
 def test_accuracy_contract(policy, sample, expected_path):
     args = sample.make()
     if policy == "cuda":
@@ -134,7 +137,7 @@ def test_cuda_paths_forced(path, sample):
     check_contract(run_policy("cuda", args, **cuda_config(path)), args, f"cuda-{path}:{sample.id}")
 
 
-@pytest.mark.parametrize("policy", ["cuda", "npu"])
+@pytest.mark.parametrize("policy", ["cuda"] + NPU_POLICIES[1:])
 def test_rows_path_several_tokens_per_program(policy):
     # CUDA: the persistent rows grid is capped at SMs x ctas_per_sm; with ctas_per_sm=... small enough that
     # programs take several tokens (a ragged last stride included), the stream crosses token boundaries.
@@ -173,12 +176,12 @@ def test_fp64_routes_to_reference(policy):
     assert torch.equal(run_policy(policy, args), reference.attn_res_reference(**args))
 
 
-@pytest.mark.parametrize("policy", ["cuda", "npu"])
+@pytest.mark.parametrize("policy", ["cuda"] + NPU_POLICIES[1:])
 @pytest.mark.parametrize("path", [None, "rows"])
 def test_non_unit_hidden_stride(policy, path):
     # Views whose hidden dimension steps by 2 and 3 elements: the H_STRIDED variant must read them in place.
-    if policy == "npu" and path is not None:
-        pytest.skip("the NPU policy has a single path")
+    if policy.startswith("npu") and path is not None:
+        pytest.skip("CUDA launch-table paths only (the NPU kernels are forced by the policy name)")
     s = Sample(T=5, K=3, cap=4, H=40, dtype=torch.float32)
     base = s.make(seed=3)
     prefix = torch.full((s.T, 2 * s.H), float("nan"))
@@ -192,7 +195,7 @@ def test_non_unit_hidden_stride(policy, path):
     assert torch.equal(out, run_policy(policy, base, **(cuda_config(path) if policy == "cuda" else {})))
 
 
-@pytest.mark.parametrize("policy", ["cuda", "npu"])
+@pytest.mark.parametrize("policy", ["cuda"] + NPU_POLICIES[1:])
 def test_weight_dtypes_and_shapes(policy):
     # fp64 weights are cast to fp32 before launch; bf16 weights are read natively; proj [H] or [1, H].
     s = Sample(T=4, K=2, cap=3, H=48, dtype=torch.bfloat16)
@@ -242,6 +245,61 @@ def test_npu_block_h_budget():
                 per_col = k_pad * (2 * item + 8 + (28 if dtype == torch.float32 else 0)) + 3 * item + 20
                 assert block == 16 or block * per_col <= npu.UB_BUDGET_BYTES, (H, K, dtype, block)
     assert npu.npu_block_h(7168, 16, 2) == 512 and npu.npu_block_h(7168, 8, 2) == 1024
+
+
+def test_npu_forward_plan():
+    """The single-read kernel wherever its estimated working set fits the UB budget (the Kimi K3 hidden size in
+    bf16 / fp16 included), the two-pass kernel elsewhere; the choice does not depend on K or the fused flags."""
+    from k3_ops.backends import npu
+
+    for H in (1, 33, 96, 1000, 4096, 7168, 8192, 8193, 16384):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            item = torch.empty((), dtype=dtype).element_size()
+            need = npu.npu_single_read_bytes(H, item, dtype == torch.float32)
+            block = max(16, 1 << (H - 1).bit_length())
+            assert need == block * (20 if item < 4 else 32), (H, dtype, need)
+            for K in (1, 8, 64):
+                plans = {npu.forward_plan(H, K, dtype, fused) for fused in (False, True)}
+                kinds = {p.kernel for p in plans}
+                assert kinds == {"single_read" if need <= npu.UB_BUDGET_BYTES else "two_pass"}, (H, dtype, K)
+                if kinds == {"single_read"}:
+                    assert plans == {npu.ForwardPlan("single_read", block)}
+                else:
+                    assert all(p.k_pad == 1 << K.bit_length() for p in plans)
+    assert npu.forward_plan(7168, 8, torch.bfloat16).kernel == "single_read"
+    assert npu.forward_plan(7168, 8, torch.float32).kernel == "two_pass"
+    assert npu.forward_plan(4096, 8, torch.float32).kernel == "single_read"
+    with npu.substitute(forward_kernel="two_pass"):
+        assert npu.forward_plan(96, 4, torch.bfloat16) == npu.ForwardPlan("two_pass", 128, 8)
+    with npu.substitute(forward_kernel="single_read"):
+        assert npu.forward_plan(7168, 4, torch.float32) == npu.ForwardPlan("single_read", 8192)
+    with pytest.raises(ValueError, match="forward_kernel must be None, 'single_read' or 'two_pass', got 'rows'"):
+        with npu.substitute(forward_kernel="rows"):
+            pass
+
+
+def test_npu_single_read_reads_each_candidate_once(monkeypatch):
+    """The single-read kernel's loads, counted at the interpreter's builder (every masked tl.load is one call):
+    per token K block rows and one prefix row, plus the two weight rows once per program. Slots >= K are
+    NaN-poisoned, so a read of one would show in the contract check."""
+    from triton.runtime import interpreter
+
+    sample = Sample(T=11, K=3, cap=6, H=96, dtype=torch.bfloat16)
+    args = sample.make(seed=5)
+    calls = []
+    real = interpreter.InterpreterBuilder.create_masked_load
+
+    def counted(self, ptrs, mask, *a, **kw):
+        calls.append(int(mask.data.sum()))
+        return real(self, ptrs, mask, *a, **kw)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
+    out = run_policy("npu", args)
+    monkeypatch.undo()
+    programs = min(NPU_TEST_CORES, sample.T)
+    assert len(calls) == sample.T * (sample.K + 1) + 2 * programs, len(calls)
+    assert sum(calls) == (sample.T * (sample.K + 1) + 2 * programs) * sample.H  # whole rows, nothing more
+    check_contract(out, args, "npu:single-read-count")
 
 
 def test_interpreter_bf16_store_truncates():

@@ -219,6 +219,13 @@ def test_dispatch_reaches_npu_kernel(simulated_npu, sample, monkeypatch):
     torch.testing.assert_close(result.float(), expected.float(), rtol=tol, atol=1e-5)
 
 
-def test_warmup_on_simulated_device(simulated_npu):
-    # k3_ops.warmup dispatches on the device type: one launch per K_PAD for K in 1..8 (K_PAD 2, 4, 8, 16).
-    assert k3_ops.warmup(64, torch.bfloat16, simulated_npu.device, max_num_valid_blocks=8) == 4
+@pytest.mark.parametrize("H,dtype,launches", [(64, torch.bfloat16, 1), (8192, torch.float32, 4)],
+                         ids=["single-read", "two-pass"])
+def test_warmup_on_simulated_device(simulated_npu, H, dtype, launches):
+    # k3_ops.warmup dispatches on the device type: one launch per distinct forward plan for K in 1..8. The
+    # single-read kernel takes K at run time (one launch); the two-pass kernel needs one per K_PAD (2, 4, 8, 16).
+    from k3_ops.backends import npu
+
+    assert {npu.forward_plan(H, K, dtype).kernel for K in range(1, 9)} == {
+        "single_read" if launches == 1 else "two_pass"}
+    assert k3_ops.warmup(H, dtype, simulated_npu.device, max_num_valid_blocks=8) == launches

@@ -18,14 +18,17 @@ import k3_ops
 from conftest import Sample, requires_cuda
 
 TOKEN_COUNTS = (1, 7, 16, 17, 512)
-#: The forward kernels by module: kernels/attn_res_fwd.py and kernels/attn_res_decode.py.
-KERNEL_NAMES = ("attn_res_rows_kernel", "attn_res_split_kernel", "attn_res_npu_kernel", "attn_res_token_kernel")
+#: The forward kernels by module: kernels/attn_res_fwd.py, kernels/attn_res_decode.py and kernels/attn_res_npu.py
+#: (launched by the NPU policy only).
+KERNEL_NAMES = ("attn_res_rows_kernel", "attn_res_split_kernel", "attn_res_npu_kernel", "attn_res_token_kernel",
+                "attn_res_npu_single_read_kernel")
 
 
 def _kernel_module(name: str):
-    from k3_ops.kernels import attn_res_decode, attn_res_fwd
+    from k3_ops.kernels import attn_res_decode, attn_res_fwd, attn_res_npu
 
-    return attn_res_decode if name == "attn_res_token_kernel" else attn_res_fwd
+    return {"attn_res_token_kernel": attn_res_decode, "attn_res_npu_single_read_kernel": attn_res_npu}.get(
+        name, attn_res_fwd)
 
 
 def _do_not_specialize(fn) -> set[str]:
@@ -114,15 +117,30 @@ def test_one_compile_key_per_cuda_path(recorders, path):
         f"of a call)")
 
 
-def test_one_compile_key_for_npu_policy(recorders):
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "attn_res_npu_single_read_kernel"),
+                                          (torch.float32, "attn_res_npu_kernel")], ids=["single-read", "two-pass"])
+def test_one_compile_key_for_npu_policy(recorders, dtype, kernel):
     from k3_ops.backends import npu
 
     recs = recorders(run=False)
     with npu.substitute(num_vector_cores=lambda device: 20):
         for T in TOKEN_COUNTS:
-            npu.attn_res_forward(**Sample(T=T, K=4, cap=8, H=7168).make())
-    keys = recs["attn_res_npu_kernel"].keys
+            npu.attn_res_forward(**Sample(T=T, K=4, cap=8, H=7168, dtype=dtype).make())
+    keys = recs[kernel].keys
     assert len(keys) == len(TOKEN_COUNTS) and len(set(keys)) == 1
+    assert sum(len(r.keys) for r in recs.values()) == len(TOKEN_COUNTS)  # nothing else launched
+
+
+def test_npu_single_read_key_does_not_depend_on_k(recorders):
+    # The single-read kernel takes K at run time (no K_PAD): one compiled kernel for every K.
+    from k3_ops.backends import npu
+
+    recs = recorders(run=False)
+    with npu.substitute(num_vector_cores=lambda device: 20):
+        for K in (1, 4, 8, 15, 64):
+            npu.attn_res_forward(**Sample(T=7, K=K, cap=64, H=96).make())
+    keys = recs["attn_res_npu_single_read_kernel"].keys
+    assert len(keys) == 5 and len(set(keys)) == 1
 
 
 def test_k_is_not_a_compile_key_within_a_k_pad(recorders):
@@ -136,8 +154,10 @@ def test_k_is_not_a_compile_key_within_a_k_pad(recorders):
         cuda.attn_res_forward(**args)
         cuda.attn_res_forward(**args, config=cuda.LaunchConfig(kernel="rows"))
         args = Sample(T=7, K=K, cap=8, H=7168).make()  # the simulated-NPU policy takes CPU tensors
-        with npu.substitute(num_vector_cores=lambda device: 20):
-            npu.attn_res_forward(**args)
+        for forced in ("single_read", "two_pass"):
+            with npu.substitute(num_vector_cores=lambda device: 20, forward_kernel=forced):
+                npu.attn_res_forward(**args)
+    assert recs["attn_res_npu_kernel"].keys and recs["attn_res_npu_single_read_kernel"].keys
     for name, rec in recs.items():
         assert len(rec.keys) % 3 == 0 and len(set(rec.keys)) == len(rec.keys) // 3, name
 

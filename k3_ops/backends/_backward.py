@@ -50,6 +50,8 @@ class BackwardPlan:
         block_h = next_power_of_2(H)) or "stats_apply" (CUDA, H <= block_h: ``attn_res_bwd_stats_kernel`` with
         num_programs, launch_options and num_stages, then ``attn_res_bwd_apply_kernel`` on a
         (apply_programs, cdiv(H, apply_block)) grid with apply_options and apply_num_stages).
+    prefix_row_sum: "tiles" only: grad_prefix_sum's row taken out of the dv tile by an exact masked sum and stored
+        through a plain row pointer (``attn_res_bwd_kernel``'s PREFIX_ROW_SUM: the form triton-ascend lowers).
     vectors_per_thread: "single_read" only (CUDA C++, csrc_cuda/attn_res_bwd.cu; num_programs programs, FP64
         workspace): 0, the token's rows stay in shared memory (one 16-byte column vector per thread and row);
         1 or 2, they sit in registers, that many 16-byte vectors per thread and row.
@@ -76,6 +78,7 @@ class BackwardPlan:
     scalars_programs: int = 0
     vectors_per_thread: int = 0
     compile_options: tuple[tuple[str, object], ...] = field(default=tuple(TRITON_COMPILE_OPTIONS.items()))
+    prefix_row_sum: bool = False
 
 
 def trivial_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
@@ -177,7 +180,7 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
         _launch.launch(_bwd.attn_res_bwd_rows_kernel, (programs,), args, {}, (plan, *flags.items()), lambda: flags,
                        ntensors=8, interpreted=interpreted)
     else:
-        tiles_flags = dict(flags, DF=plan.df and not plan.acc64)
+        tiles_flags = dict(flags, DF=plan.df and not plan.acc64, PREFIX_ROW_SUM=plan.prefix_row_sum)
         _launch.launch(_bwd.attn_res_bwd_kernel, (programs,), args, {}, (plan, *tiles_flags.items()),
                        lambda: tiles_flags, ntensors=8, interpreted=interpreted)
     if want_w:

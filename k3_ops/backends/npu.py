@@ -4,28 +4,46 @@ Importing this module imports triton (triton-ascend on an Ascend host) but never
 properties are read through triton-ascend's driver first, torch_npu second, both lazily. With torch_npu
 installed but no Ascend runtime, even ``import torch`` fails unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``.
 
-Configuration (forward, ``attn_res_forward``), kernel ``attn_res_npu_kernel``:
+Configuration (forward, ``attn_res_forward`` and ``fused_attn_res``), chosen by ``forward_plan``:
 
 - grid = the device's vector-core count (``num_vectorcore`` from
   ``triton.runtime.driver.active.utils.get_device_properties``, else torch_npu's device properties, else
   ``FALLBACK_NUM_VECTOR_CORES`` = 48, an Atlas A2 / 910B's 24 AI cores x 2 vector cores; a wrong guess only
   costs an extra wave or idle cores, never correctness); program p walks the contiguous token range
   [p * ceil(T / cores), (p + 1) * ceil(T / cores)).
-- per token, two passes over H in [K_PAD, BLOCK_H] tiles (K_PAD = next_power_of_2(K + 1), a compile-time
-  constant; K itself, the model-level ``num_valid_blocks``, is a runtime argument): pass 1 accumulates
+- "single_read" (``kernels.attn_res_npu.attn_res_npu_single_read_kernel``) wherever its working set fits the
+  Unified Buffer budget (``npu_single_read_bytes`` <= ``UB_BUDGET_BYTES``: bf16 / fp16 up to H = 8192, the Kimi
+  K3 hidden size 7168 included; fp32 up to H = 4096): per token the K + 1 candidate rows stream through one
+  [next_power_of_2(H)] row tile into an online softmax, each read once. K is a runtime argument and not part of
+  the compile key.
+- "two_pass" (``kernels.attn_res_fwd.attn_res_npu_kernel``) where a row does not fit: per token, two passes over
+  H in [K_PAD, BLOCK_H] tiles (K_PAD = next_power_of_2(K + 1), a compile-time constant): pass 1 accumulates
   sum(v^2) and <v, w> per candidate, then the softmax; pass 2 re-reads the tiles and writes the output chunk.
+- The fused op takes the same plan as the plain op of its shape (the choice does not depend on the fused flags),
+  so its mix equals ``attn_res(new_prefix, ...)`` bit for bit.
 - ``multibuffer=True`` (double-buffered loads) only under triton-ascend: plain Triton rejects unknown launch
   options. The shared ``TRITON_COMPILE_OPTIONS`` everywhere but under triton-ascend (``compile_options``).
 
-Cost model (no figure is claimed without hardware): bytes moved per token = (2 (K + 1) + 1) * H * itemsize
-(every candidate row read twice, the output written once) + weights from L2. Two reads instead of one because
-a [K + 1, H] working set (H = 7168: 16 x 7168 x 4 B = 458 KB in FP32) cannot stay in a vector core's ~192 KB
-Unified Buffer; the local-buffer budget per tile is computed in ``npu_block_h`` (comment there).
+Cost model (bytes moved per token; no throughput figure is claimed without hardware), s = itemsize:
+
+- single_read: (K + 2) H s (every candidate row read once, the output written once), the folded weight row
+  once per program (not per token). Fused: + H s for the addend, + H s for new_prefix, + H s for the snapshot;
+  with an addend new_prefix is also read back once (the program's own row, just written, so likely from L2), and
+  the output norm reads its weight row per token.
+- two_pass: (2 (K + 1) + 1) H s (every candidate row read twice), the weights once per hidden chunk per token
+  (L2). It is kept for rows that do not fit: a [K + 1, H] working set (H = 7168: 16 x 7168 x 4 B = 458 KB in
+  FP32) can never stay in the UB, and the single-read row tile needs the whole row (a row's softmax weight is
+  known only after the whole row is reduced), e.g. 32 B per column for fp32, 256 KB at H = 7168.
+- Parallelism: one program per vector core (48 on an Atlas A2), each streaming its own tokens; at T < cores
+  only T cores work (decode at T = 1 uses one vector core).
+- UB budget: ``UB_BUDGET_BYTES`` = 160 KB of the vector core's 192 KB Unified Buffer for one program's tiles,
+  the rest left to the compiler; per-tile estimates in ``npu_single_read_bytes`` and ``npu_block_h``. They are
+  estimates: only CANN's bishengir-compile decides the real allocation (docs/kernels.md, "Compile check").
 
 Test seam (explicit, documented in docs/kernels.md): ``SEAM.raw_tensor`` maps a PrivateUse1 tensor to the
 tensor handed to Triton (identity on real hardware; the simulated NPU of tests/test_npu_simulated.py returns
-the CPU tensor backing its wrapper), and ``SEAM.num_vector_cores`` overrides the vector-core query. Use
-``substitute(...)`` to set them for a block of code.
+the CPU tensor backing its wrapper), ``SEAM.num_vector_cores`` overrides the vector-core query and
+``SEAM.forward_kernel`` forces the forward plan's kernel. Use ``substitute(...)`` to set them for a block of code.
 """
 from __future__ import annotations
 
@@ -39,6 +57,7 @@ import torch
 import triton
 
 from ..kernels import attn_res_fwd as _fwd
+from ..kernels import attn_res_npu as _npu_kernels
 from . import (
     TRITON_COMPILE_OPTIONS,
     _backward,
@@ -70,6 +89,9 @@ __all__ = [
     "launch_options",
     "compile_options",
     "npu_block_h",
+    "npu_single_read_bytes",
+    "ForwardPlan",
+    "forward_plan",
     "attn_res_forward",
     "fused_attn_res",
     "fused_attn_res_quant",
@@ -77,6 +99,7 @@ __all__ = [
     "warmup",
     "npu_bwd_block_h",
     "attn_res_backward",
+    "backward_plan",
 ]
 
 # --------------------------------------------------------------------------------------------------------------
@@ -96,10 +119,12 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Seam:
     """What tests may substitute. raw_tensor: PrivateUse1 tensor -> tensor handed to Triton (its data_ptr and
-    strides are used). num_vector_cores: device -> vector-core count, or None to query the device."""
+    strides are used). num_vector_cores: device -> vector-core count, or None to query the device.
+    forward_kernel: "single_read" or "two_pass" forces ``forward_plan``'s kernel (None: the budget decides)."""
 
     raw_tensor: Callable[[torch.Tensor], torch.Tensor] = _identity
     num_vector_cores: Callable[[torch.device], int] | None = None
+    forward_kernel: str | None = None
 
 
 SEAM = Seam()
@@ -107,17 +132,22 @@ SEAM = Seam()
 
 @contextlib.contextmanager
 def substitute(raw_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               num_vector_cores: Callable[[torch.device], int] | None = None) -> Iterator[Seam]:
+               num_vector_cores: Callable[[torch.device], int] | None = None,
+               forward_kernel: str | None = None) -> Iterator[Seam]:
     """Temporarily replace parts of ``SEAM`` (tests); restores the previous seam on exit."""
-    saved = (SEAM.raw_tensor, SEAM.num_vector_cores)
+    if forward_kernel not in (None, "single_read", "two_pass"):
+        raise ValueError(f"forward_kernel must be None, 'single_read' or 'two_pass', got {forward_kernel!r}")
+    saved = (SEAM.raw_tensor, SEAM.num_vector_cores, SEAM.forward_kernel)
     if raw_tensor is not None:
         SEAM.raw_tensor = raw_tensor
     if num_vector_cores is not None:
         SEAM.num_vector_cores = num_vector_cores
+    if forward_kernel is not None:
+        SEAM.forward_kernel = forward_kernel
     try:
         yield SEAM
     finally:
-        SEAM.raw_tensor, SEAM.num_vector_cores = saved
+        SEAM.raw_tensor, SEAM.num_vector_cores, SEAM.forward_kernel = saved
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -214,6 +244,51 @@ def npu_block_h(H: int, k_pad: int, itemsize: int, compensated: bool = False, fu
     return block
 
 
+#: Hidden elements per piece of the single-read kernel's new_prefix pre-pass (fused with an addend): small tiles,
+#: so the pre-pass adds nothing to the row-wide working set.
+SINGLE_READ_CHUNK = 1024
+
+
+def npu_single_read_bytes(H: int, itemsize: int, compensated: bool = False) -> int:
+    """Estimated Unified Buffer bytes of one ``attn_res_npu_single_read_kernel`` program, at its row tile
+    BLOCK_H = next_power_of_2(H) (the masked tail is allocated too).
+
+    Bytes per tile column: the row in flight in the I/O dtype, double-buffered by multibuffer (2 * itemsize), its
+    FP32 copy (4; none for fp32, whose load is FP32 already), one FP32 product row (x * x, x * w or p * x: 4),
+    the FP32 accumulator row (4) and the folded FP32 weight row (4), which stays for all of the program's
+    tokens; fp32 I/O (compensated) adds the second product row and the first level of the double-float tree
+    (hi and lo of two half-width sums): 4 + 8. bf16 / fp16: 20 B per column, so H <= 8192 fits 160 KB (H = 7168
+    pads to 8192: 160 KB); fp32: 32 B, so H <= 4096 (128 KB), H = 7168 does not (256 KB).
+    The fused variants add no row-wide tile: the new_prefix pre-pass works in SINGLE_READ_CHUNK pieces before
+    the candidate loop, and the output norm's weight row (itemsize + 4) is live only after the loop, in place of
+    the row-in-flight buffers.
+    """
+    per_col = 2 * itemsize + (4 if itemsize < 4 else 0) + 4 + 4 + 4 + (12 if compensated else 0)
+    return max(16, next_power_of_2(H)) * per_col
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """One forward launch: kernel "single_read" (block_h = the padded row) or "two_pass" ([k_pad, block_h] tiles)."""
+
+    kernel: str
+    block_h: int
+    k_pad: int = 0
+
+
+def forward_plan(H: int, K: int, dtype: torch.dtype, fused: bool = False) -> ForwardPlan:
+    """The single-read plan where a row fits the UB budget, else the two-pass plan (``fused`` widens only the
+    two-pass tile budget; the kernel choice is the same for the plain and the fused op of a shape).
+    ``SEAM.forward_kernel`` forces one of the two (tests)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    compensated = dtype == torch.float32
+    fits = npu_single_read_bytes(H, itemsize, compensated) <= UB_BUDGET_BYTES
+    if SEAM.forward_kernel == "single_read" or (SEAM.forward_kernel is None and fits):
+        return ForwardPlan("single_read", max(16, next_power_of_2(H)))
+    k_pad = next_power_of_2(K + 1)
+    return ForwardPlan("two_pass", npu_block_h(H, k_pad, itemsize, compensated, fused), k_pad)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Forward.
 # --------------------------------------------------------------------------------------------------------------
@@ -243,42 +318,45 @@ def _launch_forward(prefix_sum, block_residual, nw, pw, out, K: int, eps: float,
                     fused: _FusedArgs | None = None) -> None:
     # fused: the fused_attn_res arguments (raw tensors), which switch the kernel's fused flags on.
     T, H = prefix_sum.shape
-    k_pad = next_power_of_2(K + 1)
-    compensated = prefix_sum.dtype == torch.float32
-    block_h = npu_block_h(H, k_pad, prefix_sum.element_size(), compensated, fused is not None)
+    plan = forward_plan(H, K, prefix_sum.dtype, fused is not None)
     h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2), *fused_hidden_dims(fused))
     vec = stride_vec(prefix_sum.dtype, (prefix_sum.stride(0), block_residual.stride(0), block_residual.stride(1),
                                         out.stride(0), *fused_token_strides(fused)))
     grid_size = max(1, min(cores, T))
     tokens_per_prog = triton.cdiv(T, grid_size)
-    _fwd.attn_res_npu_kernel[(grid_size,)](
-        prefix_sum, block_residual, nw, pw, out, T, K, H, eps, tokens_per_prog,
-        prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
-        block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec,
-        BLOCK_H=block_h, K_PAD=k_pad, VEC=vec, H_STRIDED=h_strided,
-        COMPENSATED=compensated, **fused_kernel_args(fused, vec), **launch_options(), **compile_options())
+    args = (prefix_sum, block_residual, nw, pw, out, T, K, H, eps, tokens_per_prog,
+            prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
+            block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec)
+    flags = dict(BLOCK_H=plan.block_h, VEC=vec, H_STRIDED=h_strided, COMPENSATED=prefix_sum.dtype == torch.float32,
+                 **fused_kernel_args(fused, vec), **launch_options(), **compile_options())
+    if plan.kernel == "single_read":
+        _npu_kernels.attn_res_npu_single_read_kernel[(grid_size,)](
+            *args, CHUNK=min(plan.block_h, SINGLE_READ_CHUNK), **flags)
+    else:
+        _fwd.attn_res_npu_kernel[(grid_size,)](*args, K_PAD=plan.k_pad, NPU_NORM_SCALE=True, **flags)
 
 
 def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
            max_num_valid_blocks: int = 8, max_num_tokens: int = 65536) -> int:
-    """Compile every NPU compile key for one model (one per K_PAD for K in 1..max_num_valid_blocks) before graph
-    capture; returns the number of launches. ``max_num_tokens`` is accepted for symmetry with the CUDA backend:
-    the token count never enters a compile key here."""
+    """Compile every NPU forward compile key for one model (one per distinct ``forward_plan`` for K in
+    1..max_num_valid_blocks: one single-read kernel, or one two-pass kernel per K_PAD) before graph capture;
+    returns the number of launches. ``max_num_tokens`` is accepted for symmetry with the CUDA backend: the token
+    count never enters a compile key here."""
     del max_num_tokens
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return 0
     device = torch.device(device if device is not None else "npu")
     H = int(hidden_size)
-    k_pads: dict[int, int] = {}
+    plans: dict[ForwardPlan, int] = {}
     for K in range(1, max_num_valid_blocks + 1):
-        k_pads.setdefault(next_power_of_2(K + 1), K)
+        plans.setdefault(forward_plan(H, K, dtype), K)
     with torch.no_grad():
         w = torch.ones(H, dtype=torch.float32, device=device)
-        for K in k_pads.values():
+        for K in plans.values():
             prefix = torch.zeros((1, H), dtype=dtype, device=device)
             blocks = torch.zeros((1, K, H), dtype=dtype, device=device)
             attn_res_forward(prefix, blocks, w, w, K, 1e-6)
-    return len(k_pads)
+    return len(plans)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -292,10 +370,11 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
     ``k3_ops._C.check_fused_attn_res``). Returns ``(out, new_prefix)``, new contiguous [T, H]; writes
     ``block_residual[:, block_write_idx]`` when ``block_write_idx >= 0``, nothing else.
 
-    One launch of ``attn_res_npu_kernel`` with its fused flags (same grid, tiles and arithmetic as
-    ``attn_res_forward`` apart from the tile width, which ``npu_block_h`` budgets for the addend row): the add
-    and the new_prefix / snapshot stores in pass 2, the output norm as a pass 3 over the program's own output
-    row. fp64 and T = 0 run the reference composition (no kernel).
+    One launch of the ``forward_plan`` kernel with its fused flags (same grid and arithmetic as
+    ``attn_res_forward``). Single-read: new_prefix (and the snapshot) written before or as the prefix candidate is
+    read, the output norm applied to the mix row in place. Two-pass (tile width budgeted for the addend row by
+    ``npu_block_h``): the add and the new_prefix / snapshot stores in pass 2, the output norm as a pass 3 over the
+    program's own output row. fp64 and T = 0 run the reference composition (no kernel).
     """
     trivial = trivial_fused_attn_res(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
                                      eps, block_write_idx, out_norm_weight, out_norm_eps, attn_res_forward, round_mix)
@@ -317,10 +396,12 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
 
 def _launch_serving(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
                     proj_weight: torch.Tensor, K: int, eps: float, fused: _FusedArgs, out: torch.Tensor) -> None:
-    # The FP32-mix norm and the FP8 output keep a row between passes in an FP32 scratch row per program; the grid
-    # is at most one program per vector core (_launch_forward), so [cores, H] is enough for any T.
+    # The two-pass kernel keeps the FP32-mix norm's and the FP8 output's row between passes in an FP32 scratch row
+    # per program; the grid is at most one program per vector core (_launch_forward), so [cores, H] is enough for
+    # any T. The single-read kernel holds that row in its tile and needs none.
     cores = num_vector_cores(prefix_sum.device)
-    if fused.needs_scratch:
+    two_pass = forward_plan(prefix_sum.size(1), K, prefix_sum.dtype, True).kernel == "two_pass"
+    if fused.needs_scratch and two_pass:
         fused = fused.with_scratch(torch.empty((cores, prefix_sum.size(1)), dtype=torch.float32,
                                                device=prefix_sum.device))
     nw, pw = prepare_weights(norm_weight, proj_weight)
@@ -334,9 +415,10 @@ def fused_attn_res_quant(prefix_sum: torch.Tensor, addend: torch.Tensor | None, 
                          out_norm_eps: float | None = None, *, out_dtype: torch.dtype,
                          round_mix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kimi_k3::fused_attn_res.quant on Ascend NPU (PrivateUse1) tensors (arguments already checked by
-    ``k3_ops._C.check_fused_attn_res_quant``). Returns ``(q, new_prefix, scale)``. One launch of
-    ``attn_res_npu_kernel`` with its serving flags: the FP8 output is quantised in a last pass over the program's
-    scratch row, once the row's scale is known. fp64 and T = 0 run the reference composition.
+    ``k3_ops._C.check_fused_attn_res_quant``). Returns ``(q, new_prefix, scale)``. One launch of the
+    ``forward_plan`` kernel with its serving flags: single-read, the FP8 output is quantised from the row in the
+    tile; two-pass, in a last pass over the program's scratch row, once the row's scale is known. fp64 and T = 0
+    run the reference composition.
     """
     trivial = trivial_serving_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
                                    eps, block_write_idx, out_norm_weight, out_norm_eps, inplace=False,
@@ -356,8 +438,8 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
                     out_norm_eps: float | None = None, *, out_dtype: torch.dtype | None = None,
                     round_mix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """kimi_k3::fused_attn_res_ on Ascend NPU (PrivateUse1) tensors (arguments already checked by
-    ``k3_ops._C.check_fused_attn_res_inplace``): the new prefix is stored back into prefix_sum in pass 2 of the same
-    launch. Returns ``(out, scale)`` (scale empty without an FP8 out_dtype). fp64 and T = 0 run the reference
+    ``k3_ops._C.check_fused_attn_res_inplace``): the new prefix is stored back into prefix_sum in the same launch
+    (single-read: before the candidate loop reads it; two-pass: in pass 2). Returns ``(out, scale)`` (scale empty without an FP8 out_dtype). fp64 and T = 0 run the reference
     composition.
     """
     trivial = trivial_serving_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
@@ -419,12 +501,18 @@ def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_re
                                                   num_valid_blocks, eps, output_mask)
     if trivial is not None:
         return trivial
+    return _backward.run_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                           num_valid_blocks, eps, output_mask,
+                                           backward_plan(prefix_sum, int(num_valid_blocks)), raw=raw)
+
+
+def backward_plan(prefix_sum: torch.Tensor, num_valid_blocks: int) -> _backward.BackwardPlan:
+    """The NPU backward launch for prefix_sum's shape, dtype and device and K: the tiles kernel, one program per
+    vector core, double-float statistics (Ascend vector cores have no FP64), grad_prefix's row taken out of the dv
+    tile by an exact masked sum (the form triton-ascend lowers: ``attn_res_bwd_kernel``'s PREFIX_ROW_SUM)."""
     H = prefix_sum.size(1)
     k_pad = next_power_of_2(int(num_valid_blocks) + 1)
-    plan = _backward.BackwardPlan(num_programs=num_vector_cores(prefix_sum.device),
+    return _backward.BackwardPlan(num_programs=num_vector_cores(prefix_sum.device),
                                   block_h=npu_bwd_block_h(H, k_pad, prefix_sum.element_size()), k_pad=k_pad,
-                                  acc64=False, df=True,  # Ascend vector cores have no FP64: double-float
-                                  launch_options=tuple(launch_options().items()),
-                                  compile_options=tuple(compile_options().items()))
-    return _backward.run_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
-                                           num_valid_blocks, eps, output_mask, plan, raw=raw)
+                                  acc64=False, df=True, launch_options=tuple(launch_options().items()),
+                                  compile_options=tuple(compile_options().items()), prefix_row_sum=True)

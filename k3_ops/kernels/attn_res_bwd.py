@@ -210,7 +210,8 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
                         stride_gpt, stride_gbt, stride_gbc,
                         BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, H_STRIDED: tl.constexpr,
                         WRITE_PREFIX: tl.constexpr, WRITE_BLOCKS: tl.constexpr, COMPUTE_DW: tl.constexpr,
-                        ACC64: tl.constexpr, DF: tl.constexpr, NUM_STAGES: tl.constexpr = 1):
+                        ACC64: tl.constexpr, DF: tl.constexpr, NUM_STAGES: tl.constexpr = 1,
+                        PREFIX_ROW_SUM: tl.constexpr = False):
     # Requires K >= 1 (K = 0 is an exact copy handled by the launch policy without a launch).
     # Outputs are contiguous: grad_prefix [T, H] (stride_gpt), grad_blocks [T, C, H] (stride_gbt, stride_gbc),
     # workspace [num_programs, H] (fp64 if ACC64 else fp32; row pid belongs to this program alone).
@@ -231,6 +232,14 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
     # its statistics element-wise in [K_PAD, BLOCK_H] tiles and reduces across threads once per token, not once
     # per chunk, and (2) both loops are software-pipelined (NUM_STAGES > 1: Triton stages the next chunks' loads
     # through shared memory while this chunk is reduced; 1 = no pipelining, e.g. under triton-ascend).
+    #
+    # PREFIX_ROW_SUM (the NPU policy): grad_prefix's row is taken out of the dv tile by a masked sum over the
+    # tile's rows and stored through a plain row pointer. Without it the row is stored through a [K_PAD, 1]
+    # pointer tile whose row stride is zero (every row points at grad_prefix row t, only row K unmasked), which
+    # triton-ascend's --triton-to-linalg rejects ("strides must not be zero"). The sum runs on the FP32 bit
+    # patterns as int32 (row K's word plus zeros), so it is exact for every value, signed zeros and NaN
+    # included; a float sum with -0.0 elsewhere is not, because both the interpreter and the adapter's
+    # linalg.reduce start the reduction from +0.0 (which turns a -0.0 into +0.0).
     pid = tl.program_id(0)
     t_begin = pid * tokens_per_prog
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
@@ -317,8 +326,9 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
             p, gs, r, c, a = _softmax_backward(ss, d, g, valid, H, eps, ACC64)
         # The element-wise math below is FP32 in the eager formula's order: dv_i = p_i gy + gs_i (r_i w - c_i v_i).
         gb_tile = gb_ptr + t64 * stride_gbt * VEC + gb_rows
+        gp_row = gp_ptr + t64 * stride_gpt * VEC
         # Every row of this [K_PAD, 1] pointer tile is grad_prefix's row t; only row K's lanes are unmasked.
-        gp_tile = gp_ptr + t64 * stride_gpt * VEC + r2 * 0
+        gp_tile = gp_row + r2 * 0
         # Pass 2: re-read each chunk; write dv (and zeros past K) and fold this token into the dw row.
         for h0 in tl.range(0, H, BLOCK_H, num_stages=NUM_STAGES):
             cols = h0 + tl.arange(0, BLOCK_H)
@@ -334,7 +344,13 @@ def attn_res_bwd_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_ptr, 
                      * tl.load(pw_ptr + cols, mask=hmask, other=0.0).to(tl.float32))
                 dv = p[:, None] * gy[None, :] + gs[:, None] * (r[:, None] * w[None, :] - c[:, None] * x)
                 if WRITE_PREFIX:
-                    tl.store(gp_tile + cols[None, :], dv.to(gp_ptr.dtype.element_ty), mask=(r2 == K) & hmask[None, :])
+                    if PREFIX_ROW_SUM:
+                        word = tl.sum(tl.where(r2 == K, dv.to(tl.int32, bitcast=True), 0), axis=0)
+                        tl.store(gp_row + cols, word.to(tl.float32, bitcast=True).to(gp_ptr.dtype.element_ty),
+                                 mask=hmask)
+                    else:
+                        tl.store(gp_tile + cols[None, :], dv.to(gp_ptr.dtype.element_ty),
+                                 mask=(r2 == K) & hmask[None, :])
                 if WRITE_BLOCKS:
                     tl.store(gb_tile + cols[None, :], dv.to(gb_ptr.dtype.element_ty), mask=is_blk & hmask[None, :])
             if COMPUTE_DW:

@@ -174,6 +174,15 @@ def _norm_scale(ss, H, out_eps):
 
 
 @triton.jit
+def _norm_scale_npu(ss, H, out_eps):
+    # _norm_scale for triton-ascend: its --triton-to-linalg pass cannot lower a scalar tl.div_rn (tt.precise_divf
+    # on a 0-d f32 trips an assertion), while a plain division and tl.sqrt_rn lower. The same quotient wherever
+    # FP32 division is correctly rounded: the interpreter, and on Ascend what the NPU kernels' plain-division
+    # scores already assume (unverified on hardware). On CUDA `/` is approximate, so its kernels keep _norm_scale.
+    return 1.0 / tl.sqrt_rn(ss / H + out_eps)
+
+
+@triton.jit
 def _apply_out_norm(x, scale, onw_ptr, cols, mask):
     # torch's rms_norm order: (x * rsqrt(...)) * weight, in FP32.
     g = tl.load(onw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -257,7 +266,8 @@ def _e4m3_bits(x, FNUZ: tl.constexpr):
     if FNUZ:
         return tl.where(is_nan, 0x80, tl.where(enc == 0, 0, enc | (sign << 7)))
     else:
-        return tl.where(is_nan, 0x7F | (sign << 7), enc | (sign << 7))
+        # The tensor on the left of `|`: triton-ascend's frontend (Triton 3.2) cannot take an int there.
+        return tl.where(is_nan, (sign << 7) | 0x7F, enc | (sign << 7))
 
 
 @triton.jit
@@ -667,7 +677,10 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
                         write_idx=0, out_eps=1.0, HAS_ADDEND: tl.constexpr = False, FUSED: tl.constexpr = False,
                         SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False, scale_ptr=None,
                         scratch_ptr=None, INPLACE_PREFIX: tl.constexpr = False, NORM_FP32_MIX: tl.constexpr = False,
-                        FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0):
+                        FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
+                        NPU_NORM_SCALE: tl.constexpr = False):
+    # NPU_NORM_SCALE: the output norm's scale in the form triton-ascend lowers (_norm_scale_npu); the NPU policy
+    # sets it, the CUDA "tiles" plan keeps the default (_norm_scale's div_rn, bits unchanged).
     # COMPENSATED (fp32 I/O): Ascend vector cores have no FP64, so where the CUDA kernels score in FP64 this one
     # keeps "double-float" (hi, lo) sums instead: per tile element across chunks with TwoSum (elementwise, so
     # cheap), then one TwoSum tree reduction per token. Plain FP32 sums would make the score's rounding the
@@ -753,7 +766,10 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
             if OUT_NORM:
                 # Pass 3: this program's own row, written just above, normalised.
                 tl.debug_barrier()
-                scale = _norm_scale(ss_mix, H, out_eps)
+                if NPU_NORM_SCALE:
+                    scale = _norm_scale_npu(ss_mix, H, out_eps)
+                else:
+                    scale = _norm_scale(ss_mix, H, out_eps)
                 for h0 in range(0, H, BLOCK_H):
                     cols = h0 + tl.arange(0, BLOCK_H)
                     hmask = cols < H
