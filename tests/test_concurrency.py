@@ -42,11 +42,12 @@ class _Spy:
 
 @pytest.fixture
 def spied(monkeypatch):
-    from k3_ops.kernels import attn_res_decode, attn_res_fwd
+    from k3_ops.kernels import attn_res_decode, attn_res_fwd, attn_res_npu
 
     log: list[torch.Tensor] = []
     for module, name in ((attn_res_fwd, "attn_res_rows_kernel"), (attn_res_fwd, "attn_res_split_kernel"),
-                         (attn_res_fwd, "attn_res_npu_kernel"), (attn_res_decode, "attn_res_token_kernel")):
+                         (attn_res_fwd, "attn_res_npu_kernel"), (attn_res_decode, "attn_res_token_kernel"),
+                         (attn_res_npu, "attn_res_npu_single_read_kernel")):
         monkeypatch.setattr(module, name, _Spy(getattr(module, name), log))
     return log
 

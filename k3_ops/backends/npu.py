@@ -439,8 +439,8 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
                     round_mix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """kimi_k3::fused_attn_res_ on Ascend NPU (PrivateUse1) tensors (arguments already checked by
     ``k3_ops._C.check_fused_attn_res_inplace``): the new prefix is stored back into prefix_sum in the same launch
-    (single-read: before the candidate loop reads it; two-pass: in pass 2). Returns ``(out, scale)`` (scale empty without an FP8 out_dtype). fp64 and T = 0 run the reference
-    composition.
+    (single-read: before the candidate loop reads it; two-pass: in pass 2). Returns ``(out, scale)`` (scale empty
+    without an FP8 out_dtype). fp64 and T = 0 run the reference composition.
     """
     trivial = trivial_serving_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
                                    eps, block_write_idx, out_norm_weight, out_norm_eps, inplace=True,
