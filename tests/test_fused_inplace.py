@@ -335,6 +335,30 @@ def test_policies_under_interpreter(case: ServingCase, policy: str):
         torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol, msg=case.id)
 
 
+def test_serving_flag_values_tell_every_variant_apart():
+    """The CUDA launch cache keys a compiled variant on the fused flags' values (not their names): every
+    combination of the serving options must give its own tuple of values, and fused_attn_res's own launches no
+    serving argument at all."""
+    from itertools import product
+
+    from k3_ops.backends._fused import FusedArgs, fused_kernel_args
+
+    prefix = torch.zeros(2, 16, dtype=torch.bfloat16)
+    seen = {}
+    for addend, write, norm, inplace, round_mix, out_dtype in product(
+            (None, prefix), (-1, 1), (None, torch.ones(16)), (False, True), (True, False),
+            (None, torch.float8_e4m3fn, torch.float8_e4m3fnuz)):
+        fused, _ = FusedArgs.allocate(prefix, addend, write, norm, 1e-6, inplace=inplace, round_mix=round_mix,
+                                      out_dtype=out_dtype)
+        kw = fused_kernel_args(fused, 8)
+        values = tuple(v for k, v in kw.items() if k.isupper())
+        variant = (addend is not None, write >= 0, norm is not None, inplace, fused.norm_fp32_mix, out_dtype)
+        assert seen.setdefault(values, variant) == variant, f"{variant} and {seen[values]} share flag values"
+        if not fused.serving:
+            assert set(kw) == {"addend_ptr", "newp_ptr", "onw_ptr", "stride_at", "stride_ah", "stride_nt",
+                               "write_idx", "out_eps", "HAS_ADDEND", "FUSED", "SNAPSHOT", "OUT_NORM"}
+
+
 @requires_interpreter
 @pytest.mark.interpreter
 def test_cuda_policy_routes_serving_calls_to_token(monkeypatch):
