@@ -268,7 +268,44 @@ def _e4m3_kernel():
         x = tl.load(x_ptr + offs, mask=offs < n)
         tl.store(y_ptr + offs, attn_res_fwd._e4m3_bits(x, FNUZ).to(tl.uint8), mask=offs < n)
 
+    @triton.jit
+    def quantise(y_ptr, s_ptr, q_ptr, n, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        y = tl.load(y_ptr + offs, mask=offs < n)
+        scale = tl.load(s_ptr + offs, mask=offs < n, other=1.0)
+        tl.store(q_ptr + offs, attn_res_fwd._fp8_bits(y, scale, FP8_MAX, FNUZ).to(tl.uint8), mask=offs < n)
+
+    convert.quantise = quantise
     return convert
+
+
+@requires_interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=lambda d: FP8_NAMES[d])
+def test_fp8_bits_divide_by_the_scale(out_dtype):
+    """q = clamp(y / scale) with y / scale correctly rounded, as the contract says, not y * (1 / scale): on values
+    built to sit next to an e4m3 rounding boundary (midpoints between neighbouring codes, times a scale, nudged by
+    a few float32 ulps), where the two roundings give different codes."""
+    fnuz = out_dtype == torch.float8_e4m3fnuz
+    fp8_max = reference.FP8_MAX[out_dtype]
+    codes = torch.arange(0, 128, dtype=torch.uint8).view(out_dtype).float()
+    values = codes[codes.isfinite() & (codes <= fp8_max)].unique()
+    midpoints = (values[1:] + values[:-1]) / 2  # exact in float32
+    scales = torch.exp2(torch.rand(64, generator=torch.Generator().manual_seed(1)) * 12 - 8)
+    y = (midpoints[:, None] * scales[None, :]).flatten()
+    scale = scales.repeat(len(midpoints))
+    for _ in range(3):  # a few float32 ulps either side of midpoint * scale
+        y = torch.cat([y, torch.nextafter(y, torch.full_like(y, math.inf)), torch.nextafter(y, torch.zeros_like(y))])
+        scale = scale.repeat(3)
+    y, scale = torch.cat([y, -y]), torch.cat([scale, scale])
+    by_division = torch.clamp(y / scale, -fp8_max, fp8_max).to(out_dtype).view(torch.uint8)
+    by_reciprocal = torch.clamp(y * (1.0 / scale), -fp8_max, fp8_max).to(out_dtype).view(torch.uint8)
+    assert (by_division != by_reciprocal).sum() >= 10, "the sample should contain values the two roundings split"
+    got = torch.empty(y.shape, dtype=torch.uint8)
+    _e4m3_kernel().quantise[((y.numel() + 1023) // 1024,)](y, scale, got, y.numel(), FP8_MAX=fp8_max, FNUZ=fnuz,
+                                                            BLOCK=1024)
+    bad = (got != by_division).nonzero().flatten()[:5].tolist()
+    assert not bad, [(y[i].item(), scale[i].item(), int(got[i]), int(by_division[i])) for i in bad]
 
 
 @requires_interpreter
@@ -333,6 +370,30 @@ def test_policies_under_interpreter(case: ServingCase, policy: str):
         # One ulp for the order of the sums, one more for the truncating bf16 store.
         tol = {torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9, torch.float32: 1e-5}[case.base.dtype]
         torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol, msg=case.id)
+
+
+def test_serving_flag_values_tell_every_variant_apart():
+    """The CUDA launch cache keys a compiled variant on the fused flags' values (not their names): every
+    combination of the serving options must give its own tuple of values, and fused_attn_res's own launches no
+    serving argument at all."""
+    from itertools import product
+
+    from k3_ops.backends._fused import FusedArgs, fused_kernel_args
+
+    prefix = torch.zeros(2, 16, dtype=torch.bfloat16)
+    seen = {}
+    for addend, write, norm, inplace, round_mix, out_dtype in product(
+            (None, prefix), (-1, 1), (None, torch.ones(16)), (False, True), (True, False),
+            (None, torch.float8_e4m3fn, torch.float8_e4m3fnuz)):
+        fused, _ = FusedArgs.allocate(prefix, addend, write, norm, 1e-6, inplace=inplace, round_mix=round_mix,
+                                      out_dtype=out_dtype)
+        kw = fused_kernel_args(fused, 8)
+        values = tuple(v for k, v in kw.items() if k.isupper())
+        variant = (addend is not None, write >= 0, norm is not None, inplace, fused.norm_fp32_mix, out_dtype)
+        assert seen.setdefault(values, variant) == variant, f"{variant} and {seen[values]} share flag values"
+        if not fused.serving:
+            assert set(kw) == {"addend_ptr", "newp_ptr", "onw_ptr", "stride_at", "stride_ah", "stride_nt",
+                               "write_idx", "out_eps", "HAS_ADDEND", "FUSED", "SNAPSHOT", "OUT_NORM"}
 
 
 @requires_interpreter

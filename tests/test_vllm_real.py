@@ -24,11 +24,13 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
 import torch
 
+import k3_ops
 from k3_ops import vllm_plugin
 
 VLLM_VERSION = "0.33.0"
@@ -71,6 +73,8 @@ _CHILD = textwrap.dedent("""
     vllm.plugins.load_general_plugins()  # once per process, however often vLLM calls it
     import torch
     result = {"ops": hasattr(torch.ops, "kimi_k3") and hasattr(torch.ops.kimi_k3, "fused_attn_res_")}
+    if "k3_ops" in sys.modules:
+        result["k3_ops"] = sys.modules["k3_ops"].__file__
     target = os.environ.get("CHECK_MODULE")
     if target:
         import k3_ops.vllm_plugin as plugin
@@ -84,12 +88,17 @@ _CHILD = textwrap.dedent("""
 def _load_plugins(**env) -> tuple[dict, str]:
     full = {**os.environ, "VLLM_PLUGINS": "k3_ops", "CHECK_CONFIGURED_LOGGING": "1", **env}
     full.pop("K3_OPS_PATCH_APPLY_ATTN_RES", None)
-    p = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=full, timeout=600)
+    # Run outside the source tree: `python -c` puts the working directory first on sys.path, where the tree's own
+    # k3_ops (built for another torch) would shadow the k3_ops installed next to vLLM, which the plugin must be.
+    p = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=full, timeout=600,
+                       cwd=tempfile.gettempdir())
     output = p.stdout + p.stderr
     assert p.returncode == 0, output
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, output
-    return json.loads(line[-1][len("RESULT "):]), output
+    result = json.loads(line[-1][len("RESULT "):])
+    assert result.get("k3_ops", k3_ops.__file__) == k3_ops.__file__, (result, k3_ops.__file__)
+    return result, output
 
 
 @pytest.mark.parametrize("module, attribute", [(NVIDIA_MODEL, "attn_res"), (AMD_LINEAR, "_apply_attn_res")],

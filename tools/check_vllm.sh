@@ -16,7 +16,7 @@ VLLM_VERSION=0.33.0
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
-"$VENV/bin/pip" install -q "vllm==$VLLM_VERSION" pytest expecttest numpy 'setuptools>=70' wheel packaging
+"$VENV/bin/pip" install -q "vllm==$VLLM_VERSION" pytest expecttest numpy 'setuptools>=77' wheel packaging
 "$VENV/bin/python" - "$VLLM_VERSION" <<'PY'
 import importlib.metadata, sys
 from packaging.version import Version

@@ -142,7 +142,9 @@ def fused_token_strides(fused: FusedArgs | None) -> tuple[int, ...]:
 
 def fused_kernel_args(fused: FusedArgs | None, vec: int) -> dict:
     """Keyword arguments that switch a forward kernel to the fused variant; {} for the plain forward. The serving
-    flags appear only when set, so fused_attn_res's launches are exactly what they were before they existed."""
+    arguments appear only in serving calls (so fused_attn_res's launches are what they were before they existed),
+    and then all of them, in one order: the CUDA launch cache keys a variant on its flags' values alone
+    (backends/cuda.py, ``_launch_forward``), which then tell every combination apart by position."""
     if fused is None:
         return {}
     a, n = fused.addend, fused.new_prefix
@@ -151,13 +153,11 @@ def fused_kernel_args(fused: FusedArgs | None, vec: int) -> dict:
               stride_nt=0 if n is None else n.stride(0) // vec, write_idx=max(fused.write_idx, 0),
               out_eps=fused.out_eps, HAS_ADDEND=a is not None, FUSED=True, SNAPSHOT=fused.write_idx >= 0,
               OUT_NORM=fused.out_norm_weight is not None)
-    if fused.inplace:
-        kw.update(INPLACE_PREFIX=True)
-    if fused.norm_fp32_mix:
-        kw.update(NORM_FP32_MIX=True)
-    if fused.out_dtype is not None:
-        kw.update(scale_ptr=fused.scale, FP8_OUT=True, FP8_FNUZ=fused.out_dtype == torch.float8_e4m3fnuz,
-                  FP8_MAX=reference.FP8_MAX[fused.out_dtype])
+    if fused.serving:
+        fp8 = fused.out_dtype
+        kw.update(scale_ptr=fused.scale, INPLACE_PREFIX=fused.inplace, NORM_FP32_MIX=fused.norm_fp32_mix,
+                  FP8_OUT=fp8 is not None, FP8_FNUZ=fp8 == torch.float8_e4m3fnuz,
+                  FP8_MAX=reference.FP8_MAX.get(fp8, reference.FP8_MAX[torch.float8_e4m3fn]))
     if fused.scratch is not None:
         kw.update(scratch_ptr=fused.scratch)
     return kw
