@@ -403,7 +403,7 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
     if fused is not None:
         for name, value in fused_kernel_args(fused, vec).items():
             (flags if name.isupper() else runtime)[name] = value
-    key = (plan, H, vec, h_strided, *flags.values())
+    key = (plan, vec, h_strided, *flags.items())
 
     def constexprs() -> dict:
         # fp32 I/O scores in FP64 (see kernels/attn_res_fwd.py, _stats): part of the compile key via the dtype.
