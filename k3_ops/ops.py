@@ -123,19 +123,23 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
 
 
 def warmup(hidden_size: int, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, *,
-           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536) -> int:
+           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536, serving: bool = False,
+           weight_dtype: torch.dtype | None = None) -> int:
     """Compile every kernel variant the launch table can pick for one model, before CUDA/NPU-graph capture.
 
     Capture must not compile or allocate: call this once per (hidden_size, dtype, device) after loading the
     model and before capturing. It runs each distinct launch configuration (compile key) that token counts
     1..max_num_tokens and K = 1..max_num_valid_blocks can select once on a small zero-filled problem, which
-    also allocates the CUDA split path's per-device workspace. Token counts and K never enter a compile key,
-    so nothing compiles afterwards for any T or K in range (non-unit hidden strides excepted, see
-    docs/kernels.md).
+    also caches its launch handle. Token counts and K never enter a compile key, so nothing compiles afterwards
+    for any T or K in range (non-unit hidden strides excepted, see docs/kernels.md).
 
     Args:
         hidden_size: H. dtype: the I/O dtype (bf16 / fp16 / fp32; fp64 and CPU run the reference: no-op).
         device: a CUDA or Ascend NPU (PrivateUse1) device; None means the current CUDA device.
+        serving: CUDA: also the in-place serving call vLLM's Kimi K3 model makes (``fused_attn_res_`` with the
+            FP32-mix output norm, with and without a delta and the snapshot).
+        weight_dtype: CUDA: the dtype of the norm / projection weights (part of a compile key); None compiles for
+            the I/O dtype and fp32.
     Returns:
         The number of kernel configurations run (0 where nothing needs compiling).
     """
@@ -150,8 +154,9 @@ def warmup(hidden_size: int, dtype: torch.dtype = torch.bfloat16, device: torch.
         from .backends import npu as backend  # lazy: importing k3_ops never imports torch_npu / triton-ascend
     else:
         return 0  # CPU: the reference needs no compilation
+    extra = dict(serving=serving, weight_dtype=weight_dtype) if device.type == "cuda" else {}
     return backend.warmup(hidden_size, dtype, device, max_num_valid_blocks=max_num_valid_blocks,
-                          max_num_tokens=max_num_tokens)
+                          max_num_tokens=max_num_tokens, **extra)
 
 
 class _RMSNormLike(Protocol):

@@ -10,6 +10,8 @@ Two ways of counting:
 """
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -42,9 +44,17 @@ def _do_not_specialize(fn) -> set[str]:
 def compile_key(fn, args, kwargs) -> tuple:
     """What Triton would compile this launch for (its specialisation rules, spelled out)."""
     dns = _do_not_specialize(fn)
+    params = inspect.signature(getattr(fn, "fn", fn)).parameters
+    constexprs = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
     key = []
-    for name, a in zip(fn.arg_names, args):
-        if isinstance(a, torch.Tensor):
+    # Keyword arguments are parameters too (the fused kernels take theirs by name): the same rules apply to every
+    # one of them; the launch options (num_warps, ...) are compile options and enter as they are.
+    named = [(n, v) for n, v in sorted(kwargs.items()) if n in fn.arg_names]
+    options = tuple(sorted((n, v) for n, v in kwargs.items() if n not in fn.arg_names))
+    for name, a in [*zip(fn.arg_names, args), *named]:
+        if name in constexprs:  # compiled for its exact value
+            key.append((name, repr(a)))
+        elif isinstance(a, torch.Tensor):
             key.append((name, a.dtype, a.data_ptr() % 16 == 0))
         elif isinstance(a, bool):
             key.append((name, a))
@@ -55,7 +65,7 @@ def compile_key(fn, args, kwargs) -> tuple:
             key.append((name, "fp32"))
         else:
             key.append((name, repr(a)))
-    return tuple(key) + tuple(sorted(kwargs.items()))
+    return tuple(key) + options
 
 
 class _Recorder:
@@ -187,6 +197,32 @@ def test_warmup_covers_the_default_table(recorders):
             for layout in ("tokenmajor", "blockmajor"):
                 # On the warm-up's device: the plan depends on the device's SM count (CPU: the interpreter's).
                 cuda.attn_res_forward(**Sample(T=T, K=K, cap=9, H=7168, layout=layout).make(device=device))
+    for name, rec in recs.items():
+        new = set(rec.keys) - warm[name]
+        assert not new, f"{name}: {len(new)} compile keys not covered by warmup"
+
+
+def test_warmup_covers_model_weights_and_the_serving_call(recorders):
+    # bf16 weights (a K3 checkpoint's) and vLLM's in-place serving call (FP32-mix output norm, with and without a
+    # delta and the snapshot): after warmup(serving=True) none of them adds a compile key.
+    from k3_ops.backends import cuda
+
+    recs = recorders(run=False)
+    device = torch.device(_cpu_or_cuda())
+    cuda.warmup(7168, torch.bfloat16, device, max_num_valid_blocks=8, max_num_tokens=1024, serving=True)
+    warm = {name: set(rec.keys) for name, rec in recs.items()}
+    for T in (1, 4, 7, 64, 300):
+        for K in (1, 5, 8):
+            args = Sample(T=T, K=K, cap=9, H=7168).make(device=device)
+            args["norm_weight"] = args["norm_weight"].bfloat16()
+            args["proj_weight"] = args["proj_weight"].bfloat16()
+            cuda.attn_res_forward(**args)
+            onw = torch.ones(7168, dtype=torch.bfloat16, device=device)
+            for delta in (args["prefix_sum"].clone(), None):
+                for write in (-1, K):
+                    cuda.fused_attn_res_(args["prefix_sum"].clone(), delta, args["block_residual"],
+                                         args["norm_weight"], args["proj_weight"], K, 1e-6, write, onw, 1e-6,
+                                         round_mix=False)
     for name, rec in recs.items():
         new = set(rec.keys) - warm[name]
         assert not new, f"{name}: {len(new)} compile keys not covered by warmup"

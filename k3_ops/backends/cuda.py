@@ -468,7 +468,8 @@ def _warmup_plans(device: torch.device, H: int, max_num_valid_blocks: int,
 
 
 def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
-           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536, fused: bool = True) -> int:
+           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536, fused: bool = True, serving: bool = False,
+           weight_dtype: torch.dtype | None = None) -> int:
     """Compile every launch-table key for one model before CUDA-graph capture; returns the number of plans run.
 
     Each distinct plan (compile key) that the table can pick for T in 1..max_num_tokens and K in
@@ -478,8 +479,11 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
     changing ``LAUNCH_TABLE`` or ``K3_OPS_PDL``.
 
     ``fused=True`` also compiles each plan's fused_attn_res variants that a Kimi K3 decoder layer uses (residual
-    addend and output RMSNorm, with and without the block snapshot). Other flag combinations compile on first use,
-    outside capture.
+    addend and output RMSNorm, with and without the block snapshot). ``serving=True`` also compiles the in-place
+    serving call vLLM's Kimi K3 model makes (fused_attn_res_ with and without a delta, with and without the
+    snapshot, the output norm of the FP32 mix; no FP8 output). ``weight_dtype``: the dtype of the norm and
+    projection weights (a pointer's dtype is part of a compile key); None compiles for the I/O dtype and fp32.
+    Other flag combinations compile on first use, outside capture.
     """
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return 0
@@ -490,18 +494,30 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
         device = torch.device("cuda", torch.cuda.current_device())
     H = int(hidden_size)
     plans = _warmup_plans(device, H, max_num_valid_blocks, max_num_tokens)
+    weight_dtypes = [weight_dtype] if weight_dtype is not None else list(dict.fromkeys([dtype, torch.float32]))
     with torch.no_grad():
-        w = torch.ones(H, dtype=torch.float32, device=device)
-        for plan, (T, K) in plans.items():
-            prefix = torch.zeros((T, H), dtype=dtype, device=device)
-            blocks = torch.zeros((T, K, H), dtype=dtype, device=device)
-            out = torch.empty((T, H), dtype=dtype, device=device)
-            _launch_forward(plan, prefix, blocks, w, w, out, K, 1e-6)
-            if fused:
+        for wdtype in weight_dtypes:
+            w = torch.ones(H, dtype=wdtype, device=device)
+            for plan, (T, K) in plans.items():
+                prefix = torch.zeros((T, H), dtype=dtype, device=device)
+                blocks = torch.zeros((T, K, H), dtype=dtype, device=device)
+                out = torch.empty((T, H), dtype=dtype, device=device)
+                _launch_forward(plan, prefix, blocks, w, w, out, K, 1e-6)
                 spare = torch.zeros((T, K + 1, H), dtype=dtype, device=device)  # slot K takes the snapshot
-                for write_idx in (-1, K):
-                    args, out = _FusedArgs.allocate(prefix, prefix, write_idx, w, 1e-6)
-                    _launch_forward(plan, prefix, spare, w, w, out, K, 1e-6, args)
+                if fused:
+                    for write_idx in (-1, K):
+                        args, out = _FusedArgs.allocate(prefix, prefix, write_idx, w, 1e-6)
+                        _launch_forward(plan, prefix, spare, w, w, out, K, 1e-6, args)
+                if serving:
+                    # The plan the serving calls take for this shape (the split's is the token kernel's).
+                    serving_plan = plan if plan.kernel in ("rows", "token") else choose_config(
+                        T, K, H, device, SERVING_TOKEN_CONFIG)
+                    for addend in (prefix, None):
+                        for write_idx in (-1, K):
+                            target = torch.zeros((T, H), dtype=dtype, device=device)  # updated in place
+                            args, out = _FusedArgs.allocate(target, addend, write_idx, w, 1e-6, inplace=True,
+                                                            round_mix=False)
+                            _launch_forward(serving_plan, target, spare, w, w, kernel_output(out), K, 1e-6, args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(plans)
