@@ -280,11 +280,17 @@ def _fp8_bits(y, scale, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
 @triton.jit
 def _serving_row_out(out_ptr, io_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot,
                      VEC: tl.constexpr, OUT_NORM: tl.constexpr, NORM_FP32_MIX: tl.constexpr, FP8_OUT: tl.constexpr,
-                     FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr):
+                     FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, NPU_NORM_SCALE: tl.constexpr = False):
+    # NPU_NORM_SCALE: the norm's scale in the form triton-ascend lowers (_norm_scale_npu: no scalar div_rn).
     y = mix
     if OUT_NORM:
         x = _norm_input(mix, hmask, io_ptr, NORM_FP32_MIX)
-        y = _apply_out_norm(x, _norm_scale(tl.sum(x * x, axis=0), H, out_eps), onw_ptr, cols, hmask)
+        ss = tl.sum(x * x, axis=0)
+        if NPU_NORM_SCALE:
+            scale = _norm_scale_npu(ss, H, out_eps)
+        else:
+            scale = _norm_scale(ss, H, out_eps)
+        y = _apply_out_norm(x, scale, onw_ptr, cols, hmask)
     if FP8_OUT:
         # The output as the model dtype holds it, then its per-token scale and FP8 bits.
         yr = tl.where(hmask, _round_mix(y, io_ptr), 0.0)

@@ -25,17 +25,11 @@ from .attn_res_fwd import (
     _FUSED_INTS,
     _RUNTIME_INTS,
     _add_addend,
-    _apply_out_norm,
     _block_row_ptrs,
     _df_score,
-    _fp8_bits,
-    _fp8_scale_part,
     _load_folded_weight,
-    _norm_input,
-    _norm_scale_npu,
     _prefix_row_ptrs,
-    _round_mix,
-    _store_out,
+    _serving_row_out,
     _store_updated_prefix,
     _two_sum_combine,
 )
@@ -91,25 +85,6 @@ def _online_update(x, w, m, l_sum, acc, H, eps, COMPENSATED: tl.constexpr, BLOCK
         p = tl.exp(s - m_new)
         alpha = tl.exp(m - m_new)
     return m_new, l_sum * alpha + p, acc * alpha + p * x
-
-
-@triton.jit
-def _row_out(out_ptr, io_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC: tl.constexpr,
-             OUT_NORM: tl.constexpr, NORM_FP32_MIX: tl.constexpr, FP8_OUT: tl.constexpr, FP8_FNUZ: tl.constexpr,
-             FP8_MAX: tl.constexpr):
-    # attn_res_fwd._serving_row_out with the NPU's output-norm scale (_norm_scale_npu: no scalar div_rn, which
-    # triton-ascend cannot lower): the output side of a complete row (norm, rounding, FP8 scale and bits).
-    y = mix
-    if OUT_NORM:
-        x = _norm_input(mix, hmask, io_ptr, NORM_FP32_MIX)
-        y = _apply_out_norm(x, _norm_scale_npu(tl.sum(x * x, axis=0), H, out_eps), onw_ptr, cols, hmask)
-    if FP8_OUT:
-        yr = tl.where(hmask, _round_mix(y, io_ptr), 0.0)
-        scale = _fp8_scale_part(yr, hmask, FP8_MAX)
-        _store_out(out_ptr, t, cols, hmask, _fp8_bits(yr, scale, FP8_MAX, FP8_FNUZ), stride_ot, VEC)
-        tl.store(scale_ptr + t, scale)
-    else:
-        _store_out(out_ptr, t, cols, hmask, y, stride_ot, VEC)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + ["tokens_per_prog"] + _FUSED_INTS)
@@ -177,5 +152,5 @@ def attn_res_npu_single_read_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_
         if FUSED:
             # K = 0: the mix IS the new prefix (attn_res's exact copy, -0.0 included); p * x / p need not be x.
             mix = tl.where(K == 0, x, mix)
-        _row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC, OUT_NORM,
-                 NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX)
+        _serving_row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC,
+                         OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, NPU_NORM_SCALE=True)
