@@ -31,7 +31,12 @@ int64_t smem_bytes(int64_t K, int64_t H, int64_t element_size, int64_t vectors_p
       kc::single_read_smem_bytes(K, H, kc::IoDtype::kBFloat16, static_cast<int>(vectors_per_thread)));
 }
 
-void attn_res_bwd_single_read(const at::Tensor& grad_out, const at::Tensor& prefix, const at::Tensor& blocks,
+}  // namespace
+
+namespace k3_ops {
+
+// Also replayed by the launch cache (csrc_cuda/launch_cache.cpp).
+void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tensor& prefix, const at::Tensor& blocks,
                               const at::Tensor& norm_weight, const at::Tensor& proj_weight,
                               const c10::optional<at::Tensor>& grad_prefix,
                               const c10::optional<at::Tensor>& grad_blocks, const c10::optional<at::Tensor>& workspace,
@@ -91,12 +96,11 @@ void attn_res_bwd_single_read(const at::Tensor& grad_out, const at::Tensor& pref
   TORCH_CHECK(err == cudaSuccess, "attn_res_bwd_single_read launch failed: ", cudaGetErrorString(err));
 }
 
-}  // namespace
-
-namespace k3_ops {
+void register_launch_cache_functions(py::module& m);  // csrc_cuda/launch_cache.cpp
 
 void register_cuda_functions(py::module& m) {
-  m.def("attn_res_bwd_single_read", &attn_res_bwd_single_read,
+  register_launch_cache_functions(m);
+  m.def("attn_res_bwd_single_read", &attn_res_bwd_single_read_launch,
         "The single-read CUDA backward (csrc_cuda/attn_res_bwd.cu): gradients of one attn_res call; the weight "
         "gradient as per-program FP64 partials in workspace",
         py::arg("grad_out"), py::arg("prefix"), py::arg("blocks"), py::arg("norm_weight"), py::arg("proj_weight"),

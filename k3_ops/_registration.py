@@ -4,7 +4,9 @@ The schemas and Meta kernels live in C++ (csrc_meta/library.cpp) and are loaded 
 This module is the only place that binds Python kernels to dispatch keys:
 
     CPU          -> k3_ops.reference        (the FP32 formula, also the test oracle)
-    CUDA         -> k3_ops.backends.cuda    (Triton launch policy for NVIDIA GPUs)
+    CUDA         -> k3_ops.backends.cuda    (Triton launch policy for NVIDIA GPUs); in a CUDA build of k3_ops._C
+                    the CUDA key holds a C++ kernel (csrc_cuda/launch_cache.cpp) that replays recorded launches
+                    and calls these Python kernels, through backends/_launch.py's recorder, for the rest
     PrivateUse1  -> k3_ops.backends.npu     (Triton launch policy for Ascend NPUs, triton-ascend)
 
 Every kernel first runs the shared C++ argument checks (the very ones the Meta kernels run), so an
@@ -50,7 +52,18 @@ def _attn_res_npu(prefix_sum, block_residual, norm_weight, proj_weight, num_vali
     return npu.attn_res_forward(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
 
 
-_lib.impl("attn_res", _attn_res_cuda, "CUDA")
+_CUDA_KERNELS: dict = {}  # op name -> Python CUDA kernel
+
+
+def _impl_cuda(name: str, fn) -> None:
+    # In a CUDA build the C++ kernel already holds the CUDA key and gets fn as its Python path (_bind_cuda, below).
+    if getattr(_C, "set_cuda_kernels", None) is not None:
+        _CUDA_KERNELS[name] = fn
+    else:
+        _lib.impl(name, fn, "CUDA")
+
+
+_impl_cuda("attn_res", _attn_res_cuda)
 _lib.impl("attn_res", _attn_res_npu, "PrivateUse1")
 
 
@@ -154,7 +167,7 @@ def _register_inference_op(name: str, cpu, cuda, npu) -> None:
     # ADInplaceOrView kernel (bump the version counter of every Tensor(a!) argument) are C++:
     # csrc_meta/autograd.cpp.
     _lib.impl(name, cpu, "CPU")
-    _lib.impl(name, cuda, "CUDA")
+    _impl_cuda(name, cuda)
     _lib.impl(name, npu, "PrivateUse1")
 
 
@@ -195,10 +208,19 @@ def _attn_res_backward_npu(grad_out, prefix_sum, block_residual, norm_weight, pr
 
 
 _lib.impl("attn_res_backward", _attn_res_backward_cpu, "CPU")
-_lib.impl("attn_res_backward", _attn_res_backward_cuda, "CUDA")
+_impl_cuda("attn_res_backward", _attn_res_backward_cuda)
 _lib.impl("attn_res_backward", _attn_res_backward_npu, "PrivateUse1")
 
 
 # Autograd of attn_res and attn_res_backward lives in C++ (csrc_meta/autograd.cpp): a Python Autograd kernel would
 # run, and redispatch through Python, on every call with or without grad.
 
+
+def _bind_cuda() -> None:
+    if _CUDA_KERNELS:
+        from .backends import _launch  # torch only: no triton import
+
+        _C.set_cuda_kernels(_launch.record_call, dict(_CUDA_KERNELS))
+
+
+_bind_cuda()

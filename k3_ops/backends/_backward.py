@@ -122,13 +122,14 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
     # The gradient kernel's token ranges (for "stats_apply": the apply kernel's; the statistics kernel has its own).
     tokens_per_prog = triton.cdiv(T, max(1, min(plan.apply_programs or plan.num_programs, T)))
     programs = triton.cdiv(T, tokens_per_prog)  # every program gets at least one token
-    ws = (torch.empty((programs, H), dtype=torch.float64 if plan.acc64 else torch.float32, device=dev) if want_w
+    ws = (_launch.scratch((programs, H), torch.float64 if plan.acc64 else torch.float32, dev) if want_w
           else None)
 
     # Strides come from the tensors handed to Triton (under the NPU test seam the device tensors' own strides are
     # not the backing memory's).
     gy, x, blocks = raw(grad_out), raw(prefix_sum), raw(block_residual)
     if gy.size(1) > 1 and gy.stride(1) != 1:
+        _launch.unrecordable()  # a copy outside the recorded launches
         gy = gy.contiguous()  # e.g. the expanded ones of out.sum(): the kernel reads unit-stride grad_out rows
     # Unwritten outputs get a stand-in pointer of the same dtype (never dereferenced: the flag is off), so that
     # masked calls do not add pointer-dtype variants to the compile key.
@@ -148,6 +149,7 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
                  **dict(plan.launch_options), **compile_options)
     if plan.kernel == "stats_apply":
         assert plan.block_h >= H and not plan.df, "stats_apply is the CUDA whole-row plan and has no DF variant"
+        _launch.unrecordable()  # JIT launches (large T, where the host path is not what the call waits for)
         # Three launches, tensors between them O(T x K): chunk partials of the statistics [T, chunks, 3, K_PAD],
         # then the per-token scalars [T, N_SCALARS, K_PAD] FP32.
         chunks = triton.cdiv(H, plan.apply_block)
@@ -172,9 +174,10 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
         # CUDA C++ (csrc_cuda/attn_res_bwd.cu): every token read once; the launch policy checked its layout rules.
         from .. import _C
 
-        _C.attn_res_bwd_single_read(gy, x, blocks, nw, pw, grad_prefix if want_prefix else None,
-                                    grad_blocks if want_blocks else None, ws, K, float(eps), tokens_per_prog, programs,
-                                    plan.vectors_per_thread)
+        single_read = (gy, x, blocks, nw, pw, grad_prefix if want_prefix else None,
+                       grad_blocks if want_blocks else None, ws)
+        _launch.launch_native("single_read", single_read, (K, tokens_per_prog, programs, plan.vectors_per_thread), eps)
+        _C.attn_res_bwd_single_read(*single_read, K, float(eps), tokens_per_prog, programs, plan.vectors_per_thread)
     elif plan.kernel == "rows":
         assert plan.block_h >= H and not plan.df, "the rows backward holds a whole row and has no DF variant"
         _launch.launch(_bwd.attn_res_bwd_rows_kernel, (programs,), args, {}, (plan, *flags.items()), lambda: flags,

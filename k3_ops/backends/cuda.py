@@ -266,6 +266,7 @@ def set_launch_config(t_bucket: int, k_bucket: int, config: LaunchConfig) -> Lau
         old = LAUNCH_TABLE[(t_bucket, k_bucket)]
         LAUNCH_TABLE[(t_bucket, k_bucket)] = config
         _plan_cache.clear()
+    _launch.clear_recipes()
     return old
 
 
@@ -311,9 +312,11 @@ _plan_cache: dict[tuple, _Plan] = {}
 
 
 def clear_plan_cache() -> None:
-    """Forget resolved plans (after changing ``K3_OPS_PDL``; ``set_launch_config`` clears it itself)."""
+    """Forget resolved plans and the C++ launch recipes made from them (after changing ``K3_OPS_PDL``;
+    ``set_launch_config`` clears both itself)."""
     with _table_lock:
         _plan_cache.clear()
+    _launch.clear_recipes()
 
 
 def choose_config(T: int, K: int, H: int, device: torch.device, config: LaunchConfig | None = None) -> _Plan:
@@ -389,6 +392,7 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
         # A hidden-strided prefix row is copied (a [T, H] copy) so that the kernel reads it with the unit-stride
         # layout: the strided variant would reduce in another order and give other bits than the same values
         # passed contiguously. Not for the in-place serving call, which must store into the caller's prefix.
+        _launch.unrecordable()  # the copy is device work outside the recorded launches
         prefix_sum = prefix_sum.contiguous()
     ps_t, ps_h = prefix_sum.stride()
     bs_t, bs_c, bs_h = block_residual.stride()
@@ -443,8 +447,8 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
             out_norm = fused is not None and fused.out_norm_weight is not None
             # The partials of this call (FP64 per chunk and candidate; with OUT_NORM one more per chunk, the partial
             # sum of squares of the rounded mix): a fresh buffer, so concurrent calls never share one.
-            partials = torch.empty(T * plan.p_pad * (2 * plan.k_pad + int(out_norm)), dtype=torch.float64,
-                                   device=prefix_sum.device)
+            partials = _launch.scratch((T * plan.p_pad * (2 * plan.k_pad + int(out_norm)),), torch.float64,
+                                       prefix_sum.device)
             split_args = (*args[:5], partials, *args[5:])
             for phase in (1, 2, 3) if out_norm else (1, 2):
                 _launch.launch(_fwd.attn_res_split_kernel, (plan.p, T), split_args, runtime, (*key, phase),
