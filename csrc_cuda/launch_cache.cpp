@@ -10,7 +10,8 @@
 //     equal kernels with equal arguments up to the tensors' addresses.
 //   * Hit: allocate the outputs and scratch buffers as recorded (at::empty_strided, the caching allocator) and
 //     replay the recorded launches: Triton's compiled kernels through cuLaunchKernelEx with the arguments packed
-//     as Triton's own launcher packs them, the CUDA C++ single-read backward through its launch function.
+//     as Triton's own launcher packs them, the CUDA C++ kernels (single-read backward, cluster forward) through
+//     their launch functions.
 //   * Miss: call the op's Python kernel through the recorder (k3_ops/backends/_launch.py, ``record_call``). It
 //     runs the policy and its launches as before and returns, besides the op's result, the recipe: each launch's
 //     compiled function, grid, block, shared memory, PDL flag and arguments, each pointer named by its role
@@ -50,6 +51,9 @@
 namespace k3_ops {
 
 // csrc_cuda/python_cuda.cpp: the single-read backward's launch (checks its layout, then launches).
+void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks, const at::Tensor& norm_weight,
+                              const at::Tensor& proj_weight, const at::Tensor& out, int64_t num_valid_blocks,
+                              double eps, int64_t cluster_size, bool pdl);
 void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tensor& prefix, const at::Tensor& blocks,
                                      const at::Tensor& norm_weight, const at::Tensor& proj_weight,
                                      const c10::optional<at::Tensor>& grad_prefix,
@@ -74,14 +78,17 @@ struct TensorSpec {
   at::ScalarType dtype;
 };
 
+// A recorded launch: a Triton kernel, or one of k3_ops._C's CUDA C++ kernels through its launch function.
+enum class Kind { kTriton, kSingleRead, kClusterForward };
+
 struct Launch {
-  bool native = false;  // false: a Triton kernel; true: the CUDA C++ single-read backward
+  Kind kind = Kind::kTriton;
   CUfunction function = nullptr;
   unsigned grid[3] = {1, 1, 1};
   unsigned block = 0, shared = 0, num_ctas = 1;
   bool pdl = false, cooperative = false;
-  std::vector<Arg> args;            // Triton: every non-constexpr parameter in order; native: its 8 tensors
-  std::vector<int64_t> native_ints;  // native: K, tokens_per_prog, grid, vectors_per_thread
+  std::vector<Arg> args;             // Triton: every non-constexpr parameter in order; native: its tensors
+  std::vector<int64_t> native_ints;  // single read: K, tokens_per_prog, grid, vectors_per_thread; cluster: K, CS, PDL
   double native_eps = 0.0;
 };
 
@@ -273,10 +280,15 @@ void replay(const Recipe& r, c10::ArrayRef<c10::IValue> args, const at::Device& 
     cudaFree(nullptr);
   }
   for (const Launch& l : r.launches) {
-    if (l.native) {
+    if (l.kind != Kind::kTriton) {
       const auto t = [&](int i) { return native_tensor(l.args[i], args, outputs, scratch); };
-      attn_res_bwd_single_read_launch(*t(0), *t(1), *t(2), *t(3), *t(4), t(5), t(6), t(7), l.native_ints[0],
-                                      l.native_eps, l.native_ints[1], l.native_ints[2], l.native_ints[3]);
+      const auto& n = l.native_ints;
+      if (l.kind == Kind::kSingleRead) {
+        attn_res_bwd_single_read_launch(*t(0), *t(1), *t(2), *t(3), *t(4), t(5), t(6), t(7), n[0], l.native_eps,
+                                        n[1], n[2], n[3]);
+      } else {
+        attn_res_cluster_forward(*t(0), *t(1), *t(2), *t(3), *t(4), n[0], l.native_eps, n[1], n[2] != 0);
+      }
       continue;
     }
     // Parameters as Triton's launcher passes them: each non-constexpr argument, then its two scratch pointers
@@ -372,13 +384,16 @@ std::shared_ptr<const Recipe> parse_recipe(const py::handle& recipe, const std::
       launch.pdl = l[6].cast<bool>();
       launch.cooperative = l[7].cast<bool>();
       for (const auto& a : l[8]) launch.args.push_back(arg_from(a));
-    } else if (kind == "single_read") {
-      launch.native = true;
+    } else if (kind == "single_read" || kind == "cluster_fwd") {
+      const bool single = kind == "single_read";
+      launch.kind = single ? Kind::kSingleRead : Kind::kClusterForward;
       for (const auto& a : l[1]) launch.args.push_back(arg_from(a));
-      if (launch.args.size() != 8) return nullptr;
       launch.native_ints = l[2].cast<std::vector<int64_t>>();
       launch.native_eps = l[3].cast<double>();
-      if (launch.native_ints.size() != 4) return nullptr;
+      if (launch.args.size() != (single ? 8u : 5u) || launch.native_ints.size() != (single ? 4u : 3u)) return nullptr;
+      for (size_t i = 0; i < 5; ++i) {  // the first five tensors of either kernel are required
+        if (launch.args[i].role == Role::kNull) return nullptr;
+      }
     } else {
       return nullptr;
     }

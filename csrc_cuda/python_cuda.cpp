@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 
 #include "attn_res_bwd.h"
+#include "attn_res_cluster.h"
 
 namespace {
 
@@ -96,6 +97,53 @@ void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tenso
   TORCH_CHECK(err == cudaSuccess, "attn_res_bwd_single_read launch failed: ", cudaGetErrorString(err));
 }
 
+// The cluster forward (csrc_cuda/attn_res_cluster.cu); also replayed by the launch cache. The policy
+// (backends/cuda.py, cluster_supported) has checked its rules; these checks are invariants.
+void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks, const at::Tensor& norm_weight,
+                              const at::Tensor& proj_weight, const at::Tensor& out, int64_t num_valid_blocks,
+                              double eps, int64_t cluster_size, bool pdl) {
+  const int64_t T = prefix.size(0), H = prefix.size(1);
+  TORCH_CHECK(prefix.is_cuda() && blocks.dim() == 3 && blocks.size(0) == T && blocks.size(2) == H,
+              "attn_res_cluster_forward: bad inputs");
+  TORCH_CHECK(blocks.scalar_type() == prefix.scalar_type() && out.scalar_type() == prefix.scalar_type(),
+              "attn_res_cluster_forward: one io dtype");
+  TORCH_CHECK(prefix.stride(1) == 1 && blocks.stride(2) == 1 && out.is_contiguous() && out.sizes() == prefix.sizes(),
+              "attn_res_cluster_forward: unit hidden strides, contiguous out");
+  TORCH_CHECK(aligned16(prefix) && aligned16(blocks) && aligned16(out) && prefix.stride(0) % 8 == 0 &&
+                  blocks.stride(0) % 8 == 0 && blocks.stride(1) % 8 == 0,
+              "attn_res_cluster_forward: rows must start on 16-byte boundaries");
+  TORCH_CHECK(norm_weight.is_contiguous() && proj_weight.is_contiguous() && norm_weight.numel() == H &&
+                  proj_weight.numel() == H && aligned16(norm_weight) && aligned16(proj_weight),
+              "attn_res_cluster_forward: weights must be contiguous, aligned [H]");
+  TORCH_CHECK(kc::cluster_fwd_threads(num_valid_blocks, H, io_dtype(prefix), static_cast<int>(cluster_size)) > 0,
+              "attn_res_cluster_forward: unsupported shape");
+  kc::ClusterFwdArgs a{};
+  a.prefix = prefix.data_ptr();
+  a.blocks = blocks.data_ptr();
+  a.norm_weight = norm_weight.data_ptr();
+  a.proj_weight = proj_weight.data_ptr();
+  a.out = out.data_ptr();
+  a.T = T;
+  a.K = num_valid_blocks;
+  a.H = H;
+  a.stride_pt = prefix.stride(0);
+  a.stride_bt = blocks.stride(0);
+  a.stride_bc = blocks.stride(1);
+  a.eps = eps;
+  a.io_dtype = io_dtype(prefix);
+  a.nw_dtype = io_dtype(norm_weight);
+  a.pw_dtype = io_dtype(proj_weight);
+  const c10::cuda::CUDAGuard guard(prefix.device());
+  const cudaError_t err = kc::launch_cluster_fwd(a, static_cast<int>(cluster_size), pdl,
+                                                 at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "attn_res_cluster_forward launch failed: ", cudaGetErrorString(err));
+}
+
+int64_t cluster_threads(int64_t K, int64_t H, int64_t element_size, int64_t cluster_size) {
+  if (element_size != 2) return 0;
+  return kc::cluster_fwd_threads(K, H, kc::IoDtype::kBFloat16, static_cast<int>(cluster_size));
+}
+
 void register_launch_cache_functions(py::module& m);  // csrc_cuda/launch_cache.cpp
 
 void register_cuda_functions(py::module& m) {
@@ -106,6 +154,13 @@ void register_cuda_functions(py::module& m) {
         py::arg("grad_out"), py::arg("prefix"), py::arg("blocks"), py::arg("norm_weight"), py::arg("proj_weight"),
         py::arg("grad_prefix"), py::arg("grad_blocks"), py::arg("workspace"), py::arg("num_valid_blocks"),
         py::arg("eps"), py::arg("tokens_per_prog"), py::arg("grid"), py::arg("vectors_per_thread"));
+  m.def("attn_res_cluster_forward", &attn_res_cluster_forward,
+        "The thread-block-cluster forward (csrc_cuda/attn_res_cluster.cu): attn_res of 16-bit rows into out",
+        py::arg("prefix"), py::arg("blocks"), py::arg("norm_weight"), py::arg("proj_weight"), py::arg("out"),
+        py::arg("num_valid_blocks"), py::arg("eps"), py::arg("cluster_size"), py::arg("pdl"));
+  m.def("attn_res_cluster_threads", &cluster_threads,
+        "Threads per CTA of the cluster forward for this shape (0: not supported)", py::arg("num_valid_blocks"),
+        py::arg("hidden_size"), py::arg("element_size"), py::arg("cluster_size"));
   m.def("attn_res_bwd_single_read_smem_bytes", &smem_bytes,
         "Dynamic shared memory of one single-read backward program (bytes; 0: shape or dtype not supported)",
         py::arg("num_valid_blocks"), py::arg("hidden_size"), py::arg("element_size"), py::arg("vectors_per_thread"));

@@ -91,6 +91,10 @@ PATHS = {
     "rows-pipelined": dict(kernel="rows", prefetch=0, num_stages=4),  # cp.async stages in shared memory
     "rows-pipelined-8w": dict(kernel="rows", prefetch=0, num_stages=8, num_warps=8, ctas_per_sm=1),
     "split": dict(kernel="split"),
+    # CUDA C++, a token over a thread-block cluster; shapes it cannot run (fp32, K > 8, H % 64) take the token path.
+    "cluster8": dict(kernel="cluster", cluster_size=8),
+    "cluster4": dict(kernel="cluster", cluster_size=4),
+    "cluster2": dict(kernel="cluster", cluster_size=2),
 }
 
 
@@ -149,8 +153,8 @@ def test_pdl_off_equals_on():
     for sample in (Sample(T=1, K=8, cap=9, H=7168), Sample(T=9, K=4, cap=8, H=7168, dtype=torch.float32),
                    Sample(T=600, K=2, cap=4, H=7168, dtype=torch.float16)):
         args = sample.make(device="cuda")
-        for kernel in ("token", "rows"):
-            stages = 1 if kernel == "token" else 3  # a second stage of fp32 [4, 8192] tiles exceeds shared memory
+        for kernel in ("token", "rows", "cluster"):
+            stages = 1 if kernel != "rows" else 3  # a second stage of fp32 [4, 8192] tiles exceeds shared memory
             on = cuda.attn_res_forward(**args, config=cuda.LaunchConfig(kernel=kernel, pdl=True, num_stages=stages))
             off = cuda.attn_res_forward(**args, config=cuda.LaunchConfig(kernel=kernel, pdl=False, num_stages=stages))
             assert torch.equal(on, off), f"{kernel}:{sample.id}"

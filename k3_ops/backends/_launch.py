@@ -143,11 +143,11 @@ class _Recorder:
 
         launches = []
         for entry in self.launches:
-            if entry[0] == "single_read":
+            if entry[0] in NATIVE_KERNELS:
                 slots = [(4, 0, 0) if t is None else pointer(t) for t in entry[1]]
                 if any(s is None for s in slots):
                     return None
-                launches.append(("single_read", slots, entry[2], entry[3]))
+                launches.append((entry[0], slots, entry[2], entry[3]))
                 continue
             _, launch, grid, values = entry
             args = []
@@ -193,16 +193,21 @@ def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
+#: The CUDA C++ kernels a recipe can replay (csrc_cuda/launch_cache.cpp), by the name ``launch_native`` takes.
+NATIVE_KERNELS = ("single_read", "cluster_fwd")
+
+
 def launch_native(name: str, tensors: tuple, ints: tuple[int, ...], eps: float) -> None:
     """Note a launch of one of k3_ops._C's CUDA C++ kernels (the caller launches it): "single_read", the
     backward of csrc_cuda/attn_res_bwd.cu, with its 8 tensors (or None), (K, tokens_per_prog, grid,
-    vectors_per_thread) and eps."""
+    vectors_per_thread) and eps; "cluster_fwd", the forward of csrc_cuda/attn_res_cluster.cu, with (prefix,
+    blocks, norm_weight, proj_weight, out), (K, cluster_size, pdl) and eps."""
     rec = _recorder()
     if rec is not None:
-        if name != "single_read":
+        if name not in NATIVE_KERNELS:
             rec.valid = False
         else:
-            rec.launches.append(("single_read", tuple(tensors), tuple(int(i) for i in ints), float(eps)))
+            rec.launches.append((name, tuple(tensors), tuple(int(i) for i in ints), float(eps)))
 
 
 def record_call(fn, args: tuple, kwargs: dict, record: bool):

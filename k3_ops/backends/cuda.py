@@ -17,6 +17,10 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
   partial (sum v^2, <v, w>) per chunk are written by a first launch and combined by a second (a third scales the
   output norm). The partials live in a buffer allocated per call from the caching allocator, like an output.
 - **tiles** (opt-in): the Ascend kernel's two-pass algorithm on CUDA, for comparison.
+- **cluster** (opt-in): the CUDA C++ kernel of csrc_cuda/attn_res_cluster.cu: each token split over a
+  thread-block cluster of ``cluster_size`` CTAs exchanging their partial statistics through distributed shared
+  memory (sm_90+, a CUDA build of k3_ops._C, 16-bit rows, K <= 8, H a multiple of 8 x cluster_size, unit hidden
+  strides, 16-byte aligned rows; the plain op only). Elsewhere its config runs the per-token kernel.
 
 Concurrency: no path keeps state between launches or shares a buffer across calls, so any number of launches may
 be in flight on any streams of one device, eagerly or replayed from CUDA graphs (tests/test_concurrency.py).
@@ -166,7 +170,7 @@ def _stream(t: torch.Tensor) -> int | None:
 class LaunchConfig:
     """One launch-table entry.
 
-    kernel: "token", "rows", "split" or "tiles".
+    kernel: "token", "rows", "split", "tiles" or "cluster".
     num_warps: warps per program; None derives it from the tile size.
     rows_per_tile: token path only, block rows per [ROWS, BLOCK_H] tile (a power of two).
     num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads (each stage
@@ -180,6 +184,7 @@ class LaunchConfig:
         let Triton's pipeliner stage them in shared memory ``num_stages`` deep.
     maxnreg: register cap per thread (None: the compiler's choice); caps buy occupancy at the risk of spills.
     tile_h: tiles path only (the two-pass [K_PAD, tile_h] kernel also used on Ascend), hidden tile width.
+    cluster_size: cluster path only, CTAs per token (2, 4 or 8).
     """
 
     kernel: str = "rows"
@@ -193,10 +198,14 @@ class LaunchConfig:
     prefetch: int = 1
     maxnreg: int | None = None
     tile_h: int = 1024
+    cluster_size: int = 8
 
     def __post_init__(self):
-        if self.kernel not in ("token", "rows", "split", "tiles"):
-            raise ValueError(f"LaunchConfig.kernel must be 'token', 'rows', 'split' or 'tiles', got {self.kernel!r}")
+        if self.kernel not in ("token", "rows", "split", "tiles", "cluster"):
+            raise ValueError("LaunchConfig.kernel must be 'token', 'rows', 'split', 'tiles' or 'cluster', got "
+                             f"{self.kernel!r}")
+        if self.cluster_size not in (2, 4, 8):
+            raise ValueError(f"LaunchConfig.cluster_size must be 2, 4 or 8, got {self.cluster_size}")
         if self.prefetch not in (0, 1, 2):
             raise ValueError(f"LaunchConfig.prefetch must be 0, 1 or 2, got {self.prefetch}")
         for name in ("chunk", "tile_h"):
@@ -299,6 +308,7 @@ class _Plan:
     num_stages: int = 1  # token, rows with prefetch 0
     maxnreg: int | None = None
     tile_h: int = 0  # tiles
+    cluster_size: int = 0  # cluster
 
     def __post_init__(self):
         object.__setattr__(self, "_hash", hash(tuple(self.__dict__.values())))
@@ -330,11 +340,40 @@ def choose_config(T: int, K: int, H: int, device: torch.device, config: LaunchCo
     return _resolve(K, H, device, config)
 
 
+#: What a cluster config runs where the cluster kernel cannot: the shape, the device or the build (``_resolve``), or
+#: the call (``_launch_forward``: the fused op, other layouts).
+CLUSTER_FALLBACK_CONFIG = LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
+
+
+def cluster_supported(K: int, H: int, device: torch.device, cluster_size: int, element_size: int = 2) -> bool:
+    """Whether the cluster kernel (csrc_cuda/attn_res_cluster.cu) can run this shape on ``device``: a CUDA build
+    of k3_ops._C, a GPU of compute capability 9.0+ (thread-block clusters), 16-bit rows, K <= 8 and H a multiple
+    of 8 x cluster_size. The layout (unit hidden strides, 16-byte aligned rows) is checked per call."""
+    if use_interpreter(device) or not _has_cuda_kernels() or K < 1:
+        return False
+    from .. import _C
+
+    return _properties(device).major >= 9 and _C.attn_res_cluster_threads(K, H, element_size, cluster_size) > 0
+
+
+def _cluster_layout_ok(tensors) -> bool:
+    # 16-byte vectors: unit hidden strides, rows (pointers and token / block strides) on 16-byte boundaries.
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
 def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Plan:
     block_h = next_power_of_2(H)
     if config.kernel == "split" and K + 1 > SPLIT_MAX_CANDIDATES:
         # More candidates than the split tile holds: the per-token kernel, which takes any K.
         config = LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
+    if config.kernel == "cluster":
+        if cluster_supported(K, H, device, config.cluster_size):
+            pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
+            return _Plan("cluster", 0, pdl=pdl, cluster_size=config.cluster_size)
+        config = CLUSTER_FALLBACK_CONFIG
     if config.kernel == "token":
         pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
         return _Plan("token", config.num_warps or _rows_warps(block_h), block_h=block_h,
@@ -428,6 +467,18 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
             return dict(BLOCK_H=plan.tile_h, K_PAD=plan.k_pad, COMPENSATED=common.pop("ACC64"), **common)
         return dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, **common)
 
+    if plan.kernel == "cluster":
+        if (fused is None and prefix_sum.element_size() == 2 and nw.data_ptr() % 16 == 0 and pw.data_ptr() % 16 == 0
+                and _cluster_layout_ok((prefix_sum, block_residual, out))):
+            cluster = (prefix_sum, block_residual, nw, pw, out)
+            _launch.launch_native("cluster_fwd", cluster, (K, plan.cluster_size, plan.pdl), eps)
+            from .. import _C
+
+            with _device_guard(prefix_sum):
+                _C.attn_res_cluster_forward(*cluster, K, eps, plan.cluster_size, plan.pdl)
+            return
+        plan = _resolve(K, H, prefix_sum.device, CLUSTER_FALLBACK_CONFIG)
+        return _launch_forward(plan, prefix_sum, block_residual, nw, pw, out, K, eps, fused)
     stream = _stream(prefix_sum)
     with _device_guard(prefix_sum):
         if plan.kernel == "token":

@@ -1,0 +1,231 @@
+// The thread-block-cluster forward of kimi_k3::attn_res for decode sizes (sm_90+).
+//
+// Why: one program per token reads a token's K + 1 rows through one SM, so at T <= 64 the time is one SM's
+// bandwidth and latency, not the device's. Here a token is split over a cluster of CS CTAs (CS = 2, 4 or 8), each
+// holding H / CS columns of every candidate in registers (one 16-byte vector per thread and row, all loads in
+// flight at once). The per-candidate partial statistics (sum v^2, <v, w>) are exchanged through distributed shared
+// memory: each CTA writes its partials into its own shared memory, the cluster barrier publishes them, and every
+// CTA sums all CS partials in rank order (so all ranks compute identical scores), takes the softmax and writes its
+// columns of the output. No workspace, no global barrier, nothing shared between launches: concurrent calls on any
+// streams are independent. Numerics: FP32 throughout (the score as the Triton kernels compute it: correctly rounded
+// sqrt and reciprocal); the summation order differs from theirs, so bits differ, within the accuracy contract.
+//
+// PDL: nothing is read before griddepcontrol.wait (cudaGridDependencySynchronize); dependents are released right
+// after it.
+#include "attn_res_cluster.h"
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace k3_ops::cuda {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kMaxCand = kClusterMaxBlocks + 1;
+// Threads per CTA at most: 128 registers each for the 9 x 8 candidate values held across the exchange.
+constexpr int kClusterMaxThreads = 512;
+
+// Explicit conversions: torch's build flags turn the implicit bf16 / fp16 ones off.
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) x[j] = to_float(v[j]);
+}
+
+template <>
+__device__ __forceinline__ void load8<float>(const float* p, float (&x)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float (&y)[8]) {
+  uint4 raw;
+  T* v = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = from_float<T>(y[j]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+template <typename IO, typename NW, typename PW, int CS>
+__global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(ClusterFwdArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // clusters need sm_90; the launch policy never picks this kernel below it (an sm_80 build still links)
+#else
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t t = blockIdx.x / CS;
+  const int vecs = static_cast<int>(a.H / 8 / CS);  // 8-element vectors per CTA
+  const int v = threadIdx.x;
+  const bool active = v < vecs;
+  const int64_t col = (static_cast<int64_t>(rank) * vecs + v) * 8;
+  const int K = static_cast<int>(a.K);
+  const int warps = (blockDim.x + 31) / 32, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __shared__ float warp_part[32][2 * kMaxCand];
+  __shared__ float part[2 * kMaxCand];  // this CTA's (ss_i, d_i), read by every rank of the cluster
+  __shared__ float total[2 * kMaxCand];
+
+  cudaGridDependencySynchronize();
+  cudaTriggerProgrammaticLaunchCompletion();
+  float x[kMaxCand][8];
+  float w[8];
+  float ss[kMaxCand], d[kMaxCand];
+  if (active) {
+    float nw[8], pw[8];
+    load8(static_cast<const NW*>(a.norm_weight) + col, nw);
+    load8(static_cast<const PW*>(a.proj_weight) + col, pw);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w[j] = nw[j] * pw[j];
+    const IO* blocks = static_cast<const IO*>(a.blocks) + t * a.stride_bt + col;
+#pragma unroll
+    for (int i = 0; i < kMaxCand - 1; ++i) {
+      if (i < K) load8(blocks + i * a.stride_bc, x[i]);  // slots >= K are never addressed
+    }
+    load8(static_cast<const IO*>(a.prefix) + t * a.stride_pt + col, x[kMaxCand - 1]);
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxCand; ++i) {
+    float s = 0.f, dd = 0.f;
+    if (active && (i < K || i == kMaxCand - 1)) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        s = fmaf(x[i][j], x[i][j], s);
+        dd = fmaf(x[i][j], w[j], dd);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+      s += __shfl_xor_sync(0xffffffffu, s, off);
+      dd += __shfl_xor_sync(0xffffffffu, dd, off);
+    }
+    ss[i] = s;
+    d[i] = dd;
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < kMaxCand; ++i) {
+      warp_part[warp][2 * i] = ss[i];
+      warp_part[warp][2 * i + 1] = d[i];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 2 * kMaxCand) {
+    float s = 0.f;
+    for (int q = 0; q < warps; ++q) s += warp_part[q][threadIdx.x];
+    part[threadIdx.x] = s;
+  }
+  cluster.sync();  // every rank's partials written and visible cluster-wide
+  if (threadIdx.x < 2 * kMaxCand) {
+    float s = 0.f;
+#pragma unroll
+    for (int r = 0; r < CS; ++r) s += cluster.map_shared_rank(part, r)[threadIdx.x];
+    total[threadIdx.x] = s;
+  }
+  __syncthreads();
+  // Scores (the prefix is candidate K, kept in slot kMaxCand - 1), softmax, mix of this CTA's columns.
+  const float inv_h = 1.0f / static_cast<float>(a.H);
+  float score[kMaxCand];
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kMaxCand; ++i) {
+    const bool valid = i < K || i == kMaxCand - 1;
+    score[i] = valid ? __fdiv_rn(1.0f, __fsqrt_rn(total[2 * i] * inv_h + static_cast<float>(a.eps))) * total[2 * i + 1]
+                     : -INFINITY;
+    m = fmaxf(m, score[i]);
+  }
+  float l = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < kMaxCand; ++i) {
+    if (i < K || i == kMaxCand - 1) {
+      const float p = __expf(score[i] - m);
+      l += p;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = fmaf(p, x[i][j], acc[j]);
+    }
+  }
+  if (active) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = acc[j] / l;
+    store8(static_cast<IO*>(a.out) + t * a.H + col, acc);
+  }
+  cluster.sync();  // no CTA leaves (freeing its shared memory) while another may still read its partials
+#endif
+}
+
+template <typename IO, typename NW, typename PW, int CS>
+cudaError_t launch(const ClusterFwdArgs& args, int threads, bool pdl, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(args.T * CS));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = CS;
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  config.attrs = attrs;
+  config.numAttrs = 2;
+  return cudaLaunchKernelEx(&config, attn_res_cluster_kernel<IO, NW, PW, CS>, args);
+}
+
+template <typename IO, typename NW, typename PW>
+cudaError_t by_cluster(const ClusterFwdArgs& args, int cs, int threads, bool pdl, cudaStream_t stream) {
+  switch (cs) {
+    case 2: return launch<IO, NW, PW, 2>(args, threads, pdl, stream);
+    case 4: return launch<IO, NW, PW, 4>(args, threads, pdl, stream);
+    default: return launch<IO, NW, PW, 8>(args, threads, pdl, stream);
+  }
+}
+
+template <typename IO, typename NW>
+cudaError_t by_pw(const ClusterFwdArgs& args, int cs, int threads, bool pdl, cudaStream_t stream) {
+  switch (args.pw_dtype) {
+    case IoDtype::kFloat32: return by_cluster<IO, NW, float>(args, cs, threads, pdl, stream);
+    case IoDtype::kBFloat16: return by_cluster<IO, NW, __nv_bfloat16>(args, cs, threads, pdl, stream);
+    default: return by_cluster<IO, NW, __half>(args, cs, threads, pdl, stream);
+  }
+}
+
+template <typename IO>
+cudaError_t by_nw(const ClusterFwdArgs& args, int cs, int threads, bool pdl, cudaStream_t stream) {
+  switch (args.nw_dtype) {
+    case IoDtype::kFloat32: return by_pw<IO, float>(args, cs, threads, pdl, stream);
+    case IoDtype::kBFloat16: return by_pw<IO, __nv_bfloat16>(args, cs, threads, pdl, stream);
+    default: return by_pw<IO, __half>(args, cs, threads, pdl, stream);
+  }
+}
+
+}  // namespace
+
+int cluster_fwd_threads(int64_t K, int64_t H, IoDtype io_dtype, int cluster_size) {
+  if (io_dtype == IoDtype::kFloat32 || K < 1 || K > kClusterMaxBlocks) return 0;
+  if (cluster_size != 2 && cluster_size != 4 && cluster_size != 8) return 0;
+  if (H % (8 * cluster_size) != 0) return 0;
+  const int64_t vecs = H / 8 / cluster_size;
+  const int64_t threads = (vecs + 31) / 32 * 32;
+  return threads <= kClusterMaxThreads ? static_cast<int>(threads) : 0;
+}
+
+cudaError_t launch_cluster_fwd(const ClusterFwdArgs& args, int cluster_size, bool pdl, cudaStream_t stream) {
+  const int threads = cluster_fwd_threads(args.K, args.H, args.io_dtype, cluster_size);
+  if (threads == 0) return cudaErrorInvalidValue;
+  if (args.io_dtype == IoDtype::kBFloat16) return by_nw<__nv_bfloat16>(args, cluster_size, threads, pdl, stream);
+  return by_nw<__half>(args, cluster_size, threads, pdl, stream);
+}
+
+}  // namespace k3_ops::cuda

@@ -1,0 +1,36 @@
+// The thread-block-cluster forward of kimi_k3::attn_res (decode sizes): host-side interface of attn_res_cluster.cu.
+//
+// Plain CUDA runtime types only, as attn_res_bwd.h; python_cuda.cpp turns tensors into these arguments.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attn_res_bwd.h"  // IoDtype
+
+namespace k3_ops::cuda {
+
+struct ClusterFwdArgs {
+  const void* prefix;       // [T, H], unit hidden stride, 16-byte aligned rows
+  const void* blocks;       // [T, C, H] view, unit hidden stride, 16-byte aligned rows; only slots < K are read
+  const void* norm_weight;  // [H], contiguous
+  const void* proj_weight;  // [H], contiguous
+  void* out;                // [T, H] contiguous
+  int64_t T, K, H;
+  int64_t stride_pt, stride_bt, stride_bc;  // in elements
+  double eps;
+  IoDtype io_dtype, nw_dtype, pw_dtype;
+};
+
+// The most block rows of any compiled variant.
+constexpr int kClusterMaxBlocks = 8;
+
+// Threads per CTA for this shape, or 0 when the kernel cannot run it: a 16-bit io dtype, 1 <= K <= 8, H a multiple
+// of 8 x cluster_size with at most 512 8-element vectors per CTA, cluster_size 2, 4 or 8.
+int cluster_fwd_threads(int64_t K, int64_t H, IoDtype io_dtype, int cluster_size);
+
+// Launch T clusters of cluster_size CTAs on `stream`, with programmatic dependent launch when `pdl`.
+cudaError_t launch_cluster_fwd(const ClusterFwdArgs& args, int cluster_size, bool pdl, cudaStream_t stream);
+
+}  // namespace k3_ops::cuda
