@@ -64,10 +64,6 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
     gdc_wait_if(USE_PDL)
     gdc_launch_dependents_if(USE_PDL)
     w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
-    # The output norm's weight too, in its own dtype (half the registers of FP32 for bf16): loaded where it is used
-    # it would wait behind the mix and the prefix stores (pointers that may alias), one more L2 round trip at the
-    # end of the token's dependency chain.
-    g_out = tl.load(onw_ptr + cols, mask=hmask, other=0.0) if OUT_NORM else None
     # The prefix candidate first (new_prefix with an addend): its loads overlap the tiles'.
     v = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask, other=0.0)
     if HAS_ADDEND:
@@ -100,6 +96,6 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_ptr, t, cols, hmask, mix, v, K,
                           H, out_eps, stride_ot, stride_nt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh,
                           write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT, OUT_NORM, INPLACE_PREFIX, NORM_FP32_MIX,
-                          FP8_OUT, FP8_FNUZ, FP8_MAX, g_out=g_out)
+                          FP8_OUT, FP8_FNUZ, FP8_MAX)
     else:
         _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)

@@ -183,12 +183,10 @@ def _norm_scale_npu(ss, H, out_eps):
 
 
 @triton.jit
-def _apply_out_norm(x, scale, onw_ptr, cols, mask, g=None):
-    # torch's rms_norm order: (x * rsqrt(...)) * weight, in FP32. g: the weight row, when the kernel loaded it
-    # ahead (None: load it here, after the mix and the stores before it, one more L2 round trip on the token's path).
-    if g is None:
-        g = tl.load(onw_ptr + cols, mask=mask, other=0.0)
-    return x * scale * g.to(tl.float32)
+def _apply_out_norm(x, scale, onw_ptr, cols, mask):
+    # torch's rms_norm order: (x * rsqrt(...)) * weight, in FP32.
+    g = tl.load(onw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return x * scale * g
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -282,9 +280,8 @@ def _fp8_bits(y, scale, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
 @triton.jit
 def _serving_row_out(out_ptr, io_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot,
                      VEC: tl.constexpr, OUT_NORM: tl.constexpr, NORM_FP32_MIX: tl.constexpr, FP8_OUT: tl.constexpr,
-                     FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, NPU_NORM_SCALE: tl.constexpr = False, g_out=None):
+                     FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, NPU_NORM_SCALE: tl.constexpr = False):
     # NPU_NORM_SCALE: the norm's scale in the form triton-ascend lowers (_norm_scale_npu: no scalar div_rn).
-    # g_out: the output norm's weight row if the kernel loaded it ahead (see _apply_out_norm).
     y = mix
     if OUT_NORM:
         x = _norm_input(mix, hmask, io_ptr, NORM_FP32_MIX)
@@ -293,7 +290,7 @@ def _serving_row_out(out_ptr, io_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H
             scale = _norm_scale_npu(ss, H, out_eps)
         else:
             scale = _norm_scale(ss, H, out_eps)
-        y = _apply_out_norm(x, scale, onw_ptr, cols, hmask, g_out)
+        y = _apply_out_norm(x, scale, onw_ptr, cols, hmask)
     if FP8_OUT:
         # The output as the model dtype holds it, then its per-token scale and FP8 bits.
         yr = tl.where(hmask, _round_mix(y, io_ptr), 0.0)
@@ -309,16 +306,15 @@ def _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_
                       out_eps, stride_ot, stride_nt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, write_idx,
                       VEC: tl.constexpr, H_STRIDED: tl.constexpr, HAS_ADDEND: tl.constexpr, SNAPSHOT: tl.constexpr,
                       OUT_NORM: tl.constexpr, INPLACE_PREFIX: tl.constexpr, NORM_FP32_MIX: tl.constexpr,
-                      FP8_OUT: tl.constexpr, FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, g_out=None):
-    # A complete token row (rows kernel): v is its prefix candidate (the new prefix), mix its FP32 mix. g_out: the
-    # output norm's weight row, loaded ahead by the caller, or None (loaded where it is used).
+                      FP8_OUT: tl.constexpr, FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr):
+    # A complete token row (rows kernel): v is its prefix candidate (the new prefix), mix its FP32 mix.
     _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt, stride_ph,
                           stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT,
                           INPLACE_PREFIX)
     # K = 0: the mix IS the new prefix (attn_res's exact copy); 0 * acc + 1 * v would turn -0.0 into +0.0.
     mix = tl.where(K == 0, v.to(tl.float32), mix)
     _serving_row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC,
-                     OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, g_out=g_out)
+                     OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX)
 
 
 # --------------------------------------------------------------------------------------------------------------
