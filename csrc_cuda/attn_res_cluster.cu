@@ -10,6 +10,9 @@
 // streams are independent. Numerics: FP32 throughout (the score as the Triton kernels compute it: correctly rounded
 // sqrt and reciprocal); the summation order differs from theirs, so bits differ, within the accuracy contract.
 //
+// fused_attn_res without an output norm runs here too (addend, new_prefix and snapshot stores), so that its output
+// equals attn_res of its new prefix bit for bit on every path.
+//
 // PDL: nothing is read before griddepcontrol.wait (cudaGridDependencySynchronize); dependents are released right
 // after it.
 #include "attn_res_cluster.h"
@@ -94,7 +97,20 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
     for (int i = 0; i < kMaxCand - 1; ++i) {
       if (i < K) load8(blocks + i * a.stride_bc, x[i]);  // slots >= K are never addressed
     }
-    load8(static_cast<const IO*>(a.prefix) + t * a.stride_pt + col, x[kMaxCand - 1]);
+    float (&v)[8] = x[kMaxCand - 1];
+    load8(static_cast<const IO*>(a.prefix) + t * a.stride_pt + col, v);
+    if (a.addend != nullptr) {
+      // round(prefix + addend): one FP32 add, one rounding to the io dtype, as torch's add (and the Triton kernels).
+      float add[8];
+      load8(static_cast<const IO*>(a.addend) + t * a.stride_at + col, add);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = to_float(from_float<IO>(v[j] + add[j]));
+    }
+    if (a.new_prefix != nullptr) {
+      store8(static_cast<IO*>(a.new_prefix) + t * a.H + col, x[kMaxCand - 1]);
+      if (a.write_idx >= 0) store8(static_cast<IO*>(a.blocks) + t * a.stride_bt +
+                                   a.write_idx * a.stride_bc + col, x[kMaxCand - 1]);
+    }
   }
 #pragma unroll
   for (int i = 0; i < kMaxCand; ++i) {

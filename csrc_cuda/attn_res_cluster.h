@@ -13,12 +13,18 @@ namespace k3_ops::cuda {
 
 struct ClusterFwdArgs {
   const void* prefix;       // [T, H], unit hidden stride, 16-byte aligned rows
-  const void* blocks;       // [T, C, H] view, unit hidden stride, 16-byte aligned rows; only slots < K are read
+  void* blocks;             // [T, C, H] view, unit hidden stride, 16-byte aligned rows; only slots < K are read,
+                            // only slot write_idx is written (the fused call's snapshot)
   const void* norm_weight;  // [H], contiguous
   const void* proj_weight;  // [H], contiguous
   void* out;                // [T, H] contiguous
+  // fused_attn_res without the output norm: the prefix candidate is round(prefix + addend) (addend may be null),
+  // stored into new_prefix ([T, H] contiguous) and, with write_idx >= 0, into blocks[:, write_idx] (a slot >= K).
+  const void* addend;       // [T, H], unit hidden stride, 16-byte aligned rows, or null
+  void* new_prefix;         // or null (the plain op)
+  int64_t write_idx;        // -1: no snapshot
   int64_t T, K, H;
-  int64_t stride_pt, stride_bt, stride_bc;  // in elements
+  int64_t stride_pt, stride_bt, stride_bc, stride_at;  // in elements
   double eps;
   IoDtype io_dtype, nw_dtype, pw_dtype;
 };

@@ -100,8 +100,10 @@ void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tenso
 // The cluster forward (csrc_cuda/attn_res_cluster.cu); also replayed by the launch cache. The policy
 // (backends/cuda.py, cluster_supported) has checked its rules; these checks are invariants.
 void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks, const at::Tensor& norm_weight,
-                              const at::Tensor& proj_weight, const at::Tensor& out, int64_t num_valid_blocks,
-                              double eps, int64_t cluster_size, bool pdl) {
+                              const at::Tensor& proj_weight, const at::Tensor& out,
+                              const c10::optional<at::Tensor>& addend, const c10::optional<at::Tensor>& new_prefix,
+                              int64_t num_valid_blocks, double eps, int64_t write_idx, int64_t cluster_size,
+                              bool pdl) {
   const int64_t T = prefix.size(0), H = prefix.size(1);
   TORCH_CHECK(prefix.is_cuda() && blocks.dim() == 3 && blocks.size(0) == T && blocks.size(2) == H,
               "attn_res_cluster_forward: bad inputs");
@@ -117,7 +119,20 @@ void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks
               "attn_res_cluster_forward: weights must be contiguous, aligned [H]");
   TORCH_CHECK(kc::cluster_fwd_threads(num_valid_blocks, H, io_dtype(prefix), static_cast<int>(cluster_size)) > 0,
               "attn_res_cluster_forward: unsupported shape");
+  TORCH_CHECK(!addend.has_value() || (addend->scalar_type() == prefix.scalar_type() && addend->sizes() == prefix.sizes() &&
+                                      addend->stride(1) == 1 && aligned16(*addend) && addend->stride(0) % 8 == 0),
+              "attn_res_cluster_forward: addend must be a [T, H] row-aligned tensor of the io dtype");
+  TORCH_CHECK(!new_prefix.has_value() || (new_prefix->scalar_type() == prefix.scalar_type() &&
+                                          new_prefix->is_contiguous() && new_prefix->sizes() == prefix.sizes() &&
+                                          aligned16(*new_prefix)),
+              "attn_res_cluster_forward: new_prefix must be a contiguous [T, H] tensor of the io dtype");
+  TORCH_CHECK(write_idx < 0 || (new_prefix.has_value() && write_idx >= num_valid_blocks && write_idx < blocks.size(1)),
+              "attn_res_cluster_forward: the snapshot slot must be in [K, C) and needs new_prefix");
   kc::ClusterFwdArgs a{};
+  a.addend = addend.has_value() ? addend->data_ptr() : nullptr;
+  a.stride_at = addend.has_value() ? addend->stride(0) : 0;
+  a.new_prefix = new_prefix.has_value() ? new_prefix->data_ptr() : nullptr;
+  a.write_idx = write_idx;
   a.prefix = prefix.data_ptr();
   a.blocks = blocks.data_ptr();
   a.norm_weight = norm_weight.data_ptr();
@@ -155,9 +170,11 @@ void register_cuda_functions(py::module& m) {
         py::arg("grad_prefix"), py::arg("grad_blocks"), py::arg("workspace"), py::arg("num_valid_blocks"),
         py::arg("eps"), py::arg("tokens_per_prog"), py::arg("grid"), py::arg("vectors_per_thread"));
   m.def("attn_res_cluster_forward", &attn_res_cluster_forward,
-        "The thread-block-cluster forward (csrc_cuda/attn_res_cluster.cu): attn_res of 16-bit rows into out",
+        "The thread-block-cluster forward (csrc_cuda/attn_res_cluster.cu): attn_res of 16-bit rows into out, or "
+        "fused_attn_res without the output norm (addend, new_prefix, snapshot slot)",
         py::arg("prefix"), py::arg("blocks"), py::arg("norm_weight"), py::arg("proj_weight"), py::arg("out"),
-        py::arg("num_valid_blocks"), py::arg("eps"), py::arg("cluster_size"), py::arg("pdl"));
+        py::arg("addend"), py::arg("new_prefix"), py::arg("num_valid_blocks"), py::arg("eps"), py::arg("write_idx"),
+        py::arg("cluster_size"), py::arg("pdl"));
   m.def("attn_res_cluster_threads", &cluster_threads,
         "Threads per CTA of the cluster forward for this shape (0: not supported)", py::arg("num_valid_blocks"),
         py::arg("hidden_size"), py::arg("element_size"), py::arg("cluster_size"));

@@ -215,7 +215,9 @@ def test_cuda_launch_table_overrides():
         assert plan.kernel == "rows" and plan.num_warps == 2 and plan.block_h == 8192
     finally:
         cuda.set_launch_config(8, 8, old)
-    assert cuda.choose_config(7, 5, 7168, torch.device("cpu")).kernel == old.kernel
+    # Restored: the table resolves to what the old entry resolves to (a cluster entry, to its fallback on the CPU).
+    assert cuda.choose_config(7, 5, 7168, torch.device("cpu")) == cuda.choose_config(7, 5, 7168, torch.device("cpu"),
+                                                                                      old)
     plan = cuda.choose_config(18, 4, 7168, torch.device("cpu"), cuda.LaunchConfig(kernel="split", chunk=512))
     assert (plan.kernel, plan.chunk, plan.p, plan.k_pad) == ("split", 512, 14, 8)
     # Decode sizes take the per-token kernel, large T the rows kernel; PDL never under the interpreter.

@@ -201,7 +201,8 @@ def launch_native(name: str, tensors: tuple, ints: tuple[int, ...], eps: float) 
     """Note a launch of one of k3_ops._C's CUDA C++ kernels (the caller launches it): "single_read", the
     backward of csrc_cuda/attn_res_bwd.cu, with its 8 tensors (or None), (K, tokens_per_prog, grid,
     vectors_per_thread) and eps; "cluster_fwd", the forward of csrc_cuda/attn_res_cluster.cu, with (prefix,
-    blocks, norm_weight, proj_weight, out), (K, cluster_size, pdl) and eps."""
+    blocks, norm_weight, proj_weight, out, addend or None, new_prefix or None), (K, cluster_size, pdl, write_idx)
+    and eps."""
     rec = _recorder()
     if rec is not None:
         if name not in NATIVE_KERNELS:

@@ -12,15 +12,17 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
   of its tokens (tokens pid, pid + grid, ...) as one continuous, prefetched sequence through a [next_pow2(H)]
   hidden tile with ``cols < H`` masks and an online softmax. Each candidate row is read once in its native dtype;
   each output row is written once; the folded weight is read once per program. Any K.
-- **split** (the default for T <= 4 and K = 5..8; K + 1 <= 16, larger K goes to the token path): H split into
+- **cluster** (the default for T <= 16 and K = 8, where it runs; see below).
+- **split** (the default for T <= 4 and K = 5..7, and for the calls the cluster path does not run; K + 1 <= 16, larger K goes to the token path): H split into
   P = cdiv(H, chunk) programs per token, each holding a [K_PAD, chunk] tile of all candidates in registers;
   partial (sum v^2, <v, w>) per chunk are written by a first launch and combined by a second (a third scales the
   output norm). The partials live in a buffer allocated per call from the caching allocator, like an output.
 - **tiles** (opt-in): the Ascend kernel's two-pass algorithm on CUDA, for comparison.
-- **cluster** (opt-in): the CUDA C++ kernel of csrc_cuda/attn_res_cluster.cu: each token split over a
-  thread-block cluster of ``cluster_size`` CTAs exchanging their partial statistics through distributed shared
-  memory (sm_90+, a CUDA build of k3_ops._C, 16-bit rows, K <= 8, H a multiple of 8 x cluster_size, unit hidden
-  strides, 16-byte aligned rows; the plain op only). Elsewhere its config runs the per-token kernel.
+- **cluster**: the CUDA C++ kernel of csrc_cuda/attn_res_cluster.cu: each token split over a thread-block
+  cluster of ``cluster_size`` CTAs exchanging their partial statistics through distributed shared memory (sm_90+,
+  a CUDA build of k3_ops._C, 16-bit rows, K <= 8, H a multiple of 8 x cluster_size, unit hidden strides, 16-byte
+  aligned rows; the plain op and fused_attn_res without the output norm). Everything else that a cluster entry
+  meets runs its ``fallback`` entry.
 
 Concurrency: no path keeps state between launches or shares a buffer across calls, so any number of launches may
 be in flight on any streams of one device, eagerly or replayed from CUDA graphs (tests/test_concurrency.py).
@@ -185,6 +187,8 @@ class LaunchConfig:
     maxnreg: register cap per thread (None: the compiler's choice); caps buy occupancy at the risk of spills.
     tile_h: tiles path only (the two-pass [K_PAD, tile_h] kernel also used on Ascend), hidden tile width.
     cluster_size: cluster path only, CTAs per token (2, 4 or 8).
+    min_k: cluster path only, the smallest K it runs; smaller K, and calls or shapes it cannot run, take
+        ``fallback`` (None: ``CLUSTER_FALLBACK_CONFIG``).
     """
 
     kernel: str = "rows"
@@ -199,6 +203,8 @@ class LaunchConfig:
     maxnreg: int | None = None
     tile_h: int = 1024
     cluster_size: int = 8
+    min_k: int = 1
+    fallback: LaunchConfig | None = None
 
     def __post_init__(self):
         if self.kernel not in ("token", "rows", "split", "tiles", "cluster"):
@@ -249,8 +255,15 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 /
     #   0.826 of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the
     #   plan, spills 80-132 bytes pipelined (triton 3.6-3.9) against ~1 KB with prefetch 1 (tools/ptxas_info.py).
-    if t_bucket <= 4 and k_bucket == 8:
-        return LaunchConfig(kernel="split", chunk=512)
+    # - K = 8 at 1-16 tokens: the cluster kernel (csrc_cuda/attn_res_cluster.cu, 8 CTAs per token; same-run sweep
+    #   at c330fde: T = 8 / 16 4.80 / 5.14 us against 5.95 / 6.04 for the token kernel, T = 1-4 4.64-4.68 against
+    #   4.74-5.06 for the split; it loses at K <= 4 and T >= 32), where it runs: the plain op and fused_attn_res
+    #   without the output norm (whose output must equal attn_res of its new prefix bit for bit); every other
+    #   call, and K = 5..7 (not measured), takes the entry the table had before it.
+    if t_bucket <= 16 and k_bucket == 8:
+        before = (LaunchConfig(kernel="split", chunk=512) if t_bucket <= 4 else
+                  LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
+        return LaunchConfig(kernel="cluster", cluster_size=8, min_k=8, fallback=before)
     if t_bucket <= 4 and k_bucket == 2:
         return LaunchConfig(kernel="token", rows_per_tile=2, num_warps=8, num_stages=3)
     if t_bucket <= 128 and k_bucket > 1:
@@ -309,6 +322,7 @@ class _Plan:
     maxnreg: int | None = None
     tile_h: int = 0  # tiles
     cluster_size: int = 0  # cluster
+    fallback: _Plan | None = None  # cluster: the plan of the calls it does not run
 
     def __post_init__(self):
         object.__setattr__(self, "_hash", hash(tuple(self.__dict__.values())))
@@ -370,10 +384,11 @@ def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Pla
         # More candidates than the split tile holds: the per-token kernel, which takes any K.
         config = LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
     if config.kernel == "cluster":
-        if cluster_supported(K, H, device, config.cluster_size):
-            pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
-            return _Plan("cluster", 0, pdl=pdl, cluster_size=config.cluster_size)
-        config = CLUSTER_FALLBACK_CONFIG
+        fallback = _resolve(K, H, device, config.fallback or CLUSTER_FALLBACK_CONFIG)
+        if K < config.min_k or not cluster_supported(K, H, device, config.cluster_size):
+            return fallback
+        pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
+        return _Plan("cluster", 0, pdl=pdl, cluster_size=config.cluster_size, fallback=fallback)
     if config.kernel == "token":
         pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
         return _Plan("token", config.num_warps or _rows_warps(block_h), block_h=block_h,
@@ -468,17 +483,25 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
         return dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, **common)
 
     if plan.kernel == "cluster":
-        if (fused is None and prefix_sum.element_size() == 2 and nw.data_ptr() % 16 == 0 and pw.data_ptr() % 16 == 0
-                and _cluster_layout_ok((prefix_sum, block_residual, out))):
-            cluster = (prefix_sum, block_residual, nw, pw, out)
-            _launch.launch_native("cluster_fwd", cluster, (K, plan.cluster_size, plan.pdl), eps)
+        # The plain op, and fused_attn_res without the output norm (its output must equal attn_res of its new
+        # prefix bit for bit); 16-byte rows. Everything else: the plan the table names for it.
+        fused_ok = fused is None or (not fused.serving and fused.out_norm_weight is None and fused.new_prefix is not
+                                     None and (fused.addend is None or fused.addend.dtype == prefix_sum.dtype))
+        rows = (prefix_sum, block_residual, out, *(() if fused is None else (fused.new_prefix,)),
+                *(() if fused is None or fused.addend is None else (fused.addend,)))
+        if (fused_ok and prefix_sum.element_size() == 2 and nw.data_ptr() % 16 == 0 and pw.data_ptr() % 16 == 0
+                and _cluster_layout_ok(rows)):
+            addend = None if fused is None else fused.addend
+            new_prefix = None if fused is None else fused.new_prefix
+            write_idx = -1 if fused is None else fused.write_idx
+            cluster = (prefix_sum, block_residual, nw, pw, out, addend, new_prefix)
+            _launch.launch_native("cluster_fwd", cluster, (K, plan.cluster_size, plan.pdl, write_idx), eps)
             from .. import _C
 
             with _device_guard(prefix_sum):
-                _C.attn_res_cluster_forward(*cluster, K, eps, plan.cluster_size, plan.pdl)
+                _C.attn_res_cluster_forward(*cluster, K, eps, write_idx, plan.cluster_size, plan.pdl)
             return
-        plan = _resolve(K, H, prefix_sum.device, CLUSTER_FALLBACK_CONFIG)
-        return _launch_forward(plan, prefix_sum, block_residual, nw, pw, out, K, eps, fused)
+        return _launch_forward(plan.fallback, prefix_sum, block_residual, nw, pw, out, K, eps, fused)
     stream = _stream(prefix_sum)
     with _device_guard(prefix_sum):
         if plan.kernel == "token":
@@ -558,6 +581,8 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
                 blocks = torch.zeros((T, K, H), dtype=dtype, device=device)
                 out = torch.empty((T, H), dtype=dtype, device=device)
                 _launch_forward(plan, prefix, blocks, w, w, out, K, 1e-6)
+                if plan.fallback is not None:  # a cluster plan: the calls it leaves to its fallback compile too
+                    _launch_forward(plan.fallback, prefix, blocks, w, w, out, K, 1e-6)
                 spare = torch.zeros((T, K + 1, H), dtype=dtype, device=device)  # slot K takes the snapshot
                 if fused:
                     for write_idx in (-1, K):
