@@ -258,7 +258,7 @@ def test_a_launch_hook_sends_calls_to_python():
     import triton
 
     k3_ops._C.clear_launch_recipes()
-    a = _mix_args(1, 8)
+    a = _mix_args(64, 4)  # a shape the table runs on a Triton kernel (the hooks are Triton's)
     OPS.attn_res(*a.values())
     assert _count() == 1
     seen = []

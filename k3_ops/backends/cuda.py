@@ -12,8 +12,8 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
   of its tokens (tokens pid, pid + grid, ...) as one continuous, prefetched sequence through a [next_pow2(H)]
   hidden tile with ``cols < H`` masks and an online softmax. Each candidate row is read once in its native dtype;
   each output row is written once; the folded weight is read once per program. Any K.
-- **cluster** (the default for T <= 16 and K = 8, where it runs; see below).
-- **split** (the default for T <= 4 and K = 5..7, and for the calls the cluster path does not run; K + 1 <= 16, larger K goes to the token path): H split into
+- **cluster** (the default for T <= 16 and K = 5..8, where it runs; see below).
+- **split** (the default for T <= 4 and K = 5..8 for the calls the cluster path does not run; K + 1 <= 16, larger K goes to the token path): H split into
   P = cdiv(H, chunk) programs per token, each holding a [K_PAD, chunk] tile of all candidates in registers;
   partial (sum v^2, <v, w>) per chunk are written by a first launch and combined by a second (a third scales the
   output norm). The partials live in a buffer allocated per call from the caching allocator, like an output.
@@ -255,15 +255,16 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 /
     #   0.826 of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the
     #   plan, spills 80-132 bytes pipelined (triton 3.6-3.9) against ~1 KB with prefetch 1 (tools/ptxas_info.py).
-    # - K = 8 at 1-16 tokens: the cluster kernel (csrc_cuda/attn_res_cluster.cu, 8 CTAs per token; same-run sweep
-    #   at c330fde: T = 8 / 16 4.80 / 5.14 us against 5.95 / 6.04 for the token kernel, T = 1-4 4.64-4.68 against
-    #   4.74-5.06 for the split; it loses at K <= 4 and T >= 32), where it runs: the plain op and fused_attn_res
-    #   without the output norm (whose output must equal attn_res of its new prefix bit for bit); every other
-    #   call, and K = 5..7 (not measured), takes the entry the table had before it.
+    # - K = 5..8 at 1-16 tokens: the cluster kernel (csrc_cuda/attn_res_cluster.cu, 8 CTAs per token), where it
+    #   runs: the plain op and fused_attn_res without the output norm (whose output must equal attn_res of its new
+    #   prefix bit for bit); every other call takes the entry the table had before it (``fallback``). Same-run
+    #   sweep at 0c2fc76: K = 5..7 4.26-5.08 us against 4.96-5.84 for the split / token entries; K = 8 at T = 8 /
+    #   16 4.87 / 5.27 against 5.85 / 5.93 (token), at T <= 4 4.74-4.77 against 4.68-4.78 (split, a tie; at c330fde
+    #   4.64-4.68 against 4.74-5.06). It loses at K <= 4 (one SM per token is faster there) and from T = 32 on.
     if t_bucket <= 16 and k_bucket == 8:
         before = (LaunchConfig(kernel="split", chunk=512) if t_bucket <= 4 else
                   LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
-        return LaunchConfig(kernel="cluster", cluster_size=8, min_k=8, fallback=before)
+        return LaunchConfig(kernel="cluster", cluster_size=8, min_k=5, fallback=before)
     if t_bucket <= 4 and k_bucket == 2:
         return LaunchConfig(kernel="token", rows_per_tile=2, num_warps=8, num_stages=3)
     if t_bucket <= 128 and k_bucket > 1:
