@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import k3_ops  # noqa: F401  (registers the ops)
-from conftest import Sample, bits_equal, requires_cuda, requires_interpreter
+
+from conftest import Sample, bits_equal, requires_interpreter
 
 OPS = torch.ops.kimi_k3
 

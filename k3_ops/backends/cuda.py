@@ -12,17 +12,17 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
   of its tokens (tokens pid, pid + grid, ...) as one continuous, prefetched sequence through a [next_pow2(H)]
   hidden tile with ``cols < H`` masks and an online softmax. Each candidate row is read once in its native dtype;
   each output row is written once; the folded weight is read once per program. Any K.
-- **cluster** (the default for T <= 16 and K = 5..8, where it runs; see below).
-- **split** (the default for T <= 4 and K = 5..8 for the calls the cluster path does not run; K + 1 <= 16, larger K goes to the token path): H split into
-  P = cdiv(H, chunk) programs per token, each holding a [K_PAD, chunk] tile of all candidates in registers;
-  partial (sum v^2, <v, w>) per chunk are written by a first launch and combined by a second (a third scales the
-  output norm). The partials live in a buffer allocated per call from the caching allocator, like an output.
+- **split** (the default for T <= 4 and K = 5..8 for the calls the cluster path does not run; K + 1 <= 16,
+  larger K goes to the token path): H split into P = cdiv(H, chunk) programs per token, each holding a
+  [K_PAD, chunk] tile of all candidates in registers; partial (sum v^2, <v, w>) per chunk are written by a first
+  launch and combined by a second (a third scales the output norm). The partials live in a buffer allocated per
+  call from the caching allocator, like an output.
 - **tiles** (opt-in): the Ascend kernel's two-pass algorithm on CUDA, for comparison.
-- **cluster**: the CUDA C++ kernel of csrc_cuda/attn_res_cluster.cu: each token split over a thread-block
-  cluster of ``cluster_size`` CTAs exchanging their partial statistics through distributed shared memory (sm_90+,
-  a CUDA build of k3_ops._C, 16-bit rows, K <= 8, H a multiple of 8 x cluster_size, unit hidden strides, 16-byte
-  aligned rows; the plain op and fused_attn_res without the output norm). Everything else that a cluster entry
-  meets runs its ``fallback`` entry.
+- **cluster** (the default for T <= 16 and K = 5..8): the CUDA C++ kernel of csrc_cuda/attn_res_cluster.cu,
+  each token split over a thread-block cluster of ``cluster_size`` CTAs exchanging their partial statistics through
+  distributed shared memory (sm_90+, a CUDA build of k3_ops._C, 16-bit rows, K <= 8, H a multiple of 8 x
+  cluster_size, unit hidden strides, 16-byte aligned rows; the plain op and fused_attn_res without the output
+  norm). Everything else that a cluster entry meets runs its ``fallback`` entry.
 
 Concurrency: no path keeps state between launches or shares a buffer across calls, so any number of launches may
 be in flight on any streams of one device, eagerly or replayed from CUDA graphs (tests/test_concurrency.py).
@@ -33,9 +33,11 @@ Launch table: ``LAUNCH_TABLE`` maps (T bucket, K bucket) -> ``LaunchConfig``; bu
 Compile keys are small and enumerable (dtype, kernel, tile sizes, VEC, num_warps, stages, PDL, H_STRIDED, the
 fused flags), and ``warmup`` compiles every one the table can pick for a model, before graph capture.
 
-Launch path (host time): a resolved plan is cached per (T bucket, K, H, device), and kernels are launched through
-``backends/_launch.py``: the compiled kernel's handle, cached per compile key, is called directly instead of
-re-binding ~30 arguments through Triton's JIT on every call.
+Launch path (host time): in a CUDA build the op's CUDA kernel is C++ (csrc_cuda/launch_cache.cpp) and replays the
+launches this policy recorded for the call's metadata; this module runs on the first call of each key (and for
+calls nothing can replay). Here a resolved plan is cached per (T bucket, K, H, device), and kernels are launched
+through ``backends/_launch.py``: the compiled kernel's handle, cached per compile key, is called directly instead
+of re-binding ~30 arguments through Triton's JIT on every call.
 
 Layouts: ``prefix_sum`` and ``block_residual`` are read in place at any token / block strides (token-major
 [T, C, H] and block-major [C, T, H].transpose(0, 1) views alike); the output is a new contiguous [T, H].
