@@ -177,6 +177,8 @@ bool make_key(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, Ke
   for (const c10::IValue& v : args) {
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
+      // Sparse, nested or storage-less tensors have no strides to key on: the Python path checks and rejects them.
+      if (t.layout() != at::kStrided || t.is_nested() || !t.has_storage()) return false;
       key.push_back(1);
       key.push_back(static_cast<int64_t>(t.device().type()));
       key.push_back(t.device().index());
