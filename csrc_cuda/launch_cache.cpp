@@ -114,8 +114,8 @@ struct KeyHash {
   }
 };
 
-//: Entries at most (a new T is a new key; eager prefill of many lengths must not grow it without bound). Past
-//: it, new keys take the Python path.
+// Entries at most (a new T is a new key; eager prefill of many lengths must not grow it without bound). Past
+// it, new keys take the Python path.
 constexpr size_t kMaxEntries = 8192;
 
 std::shared_mutex cache_mutex;
