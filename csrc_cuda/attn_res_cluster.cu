@@ -10,8 +10,10 @@
 // streams are independent. Numerics: FP32 throughout (the score as the Triton kernels compute it: correctly rounded
 // sqrt and reciprocal); the summation order differs from theirs, so bits differ, within the accuracy contract.
 //
-// fused_attn_res without an output norm runs here too (addend, new_prefix and snapshot stores), so that its output
-// equals attn_res of its new prefix bit for bit on every path.
+// The fused calls run here too (addend, new_prefix or in-place prefix, snapshot, output RMSNorm), so that their mix
+// is attn_res's bit for bit on every path. The norm's sum of squares is a second exchange of one partial per CTA;
+// its weight is loaded once the mix is formed (the candidate rows are dead by then, so the register budget of
+// __launch_bounds__ holds), its latency behind that exchange.
 //
 // PDL: nothing is read before griddepcontrol.wait (cudaGridDependencySynchronize); dependents are released right
 // after it.
@@ -54,6 +56,27 @@ __device__ __forceinline__ void load8<float>(const float* p, float (&x)[8]) {
   x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
 }
 
+// A weight of any of the three dtypes, chosen at run time (a uniform branch): the output norm's, whose dtype would
+// otherwise multiply the instantiations by three.
+__device__ __forceinline__ void load8_any(const void* p, IoDtype dtype, int64_t col, float (&x)[8]) {
+  switch (dtype) {
+    case IoDtype::kFloat32: load8(static_cast<const float*>(p) + col, x); break;
+    case IoDtype::kBFloat16: load8(static_cast<const __nv_bfloat16*>(p) + col, x); break;
+    default: load8(static_cast<const __half*>(p) + col, x); break;
+  }
+}
+
+// The sum of `value` over the CTA (warp shuffles, then the warps' partials in warp order), in every thread.
+__device__ __forceinline__ float cta_sum(float value, float* warp_scratch, int warps, int lane, int warp) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) value += __shfl_xor_sync(0xffffffffu, value, off);
+  if (lane == 0) warp_scratch[warp] = value;
+  __syncthreads();
+  float s = 0.f;
+  for (int q = 0; q < warps; ++q) s += warp_scratch[q];
+  return s;
+}
+
 template <typename T>
 __device__ __forceinline__ void store8(T* p, const float (&y)[8]) {
   uint4 raw;
@@ -80,6 +103,8 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
   __shared__ float warp_part[32][2 * kMaxCand];
   __shared__ float part[2 * kMaxCand];  // this CTA's (ss_i, d_i), read by every rank of the cluster
   __shared__ float total[2 * kMaxCand];
+  __shared__ float warp_norm[32];
+  __shared__ float norm_part;  // this CTA's sum of squares of the output-norm input, read by every rank
 
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
@@ -106,10 +131,14 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = to_float(from_float<IO>(v[j] + add[j]));
     }
-    if (a.new_prefix != nullptr) {
-      store8(static_cast<IO*>(a.new_prefix) + t * a.H + col, x[kMaxCand - 1]);
-      if (a.write_idx >= 0) store8(static_cast<IO*>(a.blocks) + t * a.stride_bt +
-                                   a.write_idx * a.stride_bc + col, x[kMaxCand - 1]);
+    // The new prefix: each thread stores exactly the columns it has read, so the in-place store cannot race a
+    // read of another thread or CTA.
+    if (a.new_prefix != nullptr) store8(static_cast<IO*>(a.new_prefix) + t * a.H + col, x[kMaxCand - 1]);
+    if (a.inplace_prefix && a.addend != nullptr) {
+      store8(const_cast<IO*>(static_cast<const IO*>(a.prefix)) + t * a.stride_pt + col, x[kMaxCand - 1]);
+    }
+    if (a.write_idx >= 0) {
+      store8(static_cast<IO*>(a.blocks) + t * a.stride_bt + a.write_idx * a.stride_bc + col, x[kMaxCand - 1]);
     }
   }
 #pragma unroll
@@ -172,11 +201,32 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
       for (int j = 0; j < 8; ++j) acc[j] = fmaf(p, x[i][j], acc[j]);
     }
   }
-  if (active) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] = acc[j] / l;
-    store8(static_cast<IO*>(a.out) + t * a.H + col, acc);
+  for (int j = 0; j < 8; ++j) acc[j] = acc[j] / l;
+  if (a.out_norm_weight != nullptr) {
+    // y: the mix as the norm sees it (rounded to the io dtype, or the FP32 mix); 0 in inactive threads.
+    float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, sq = 0.f;
+    if (active) {
+      load8_any(a.out_norm_weight, a.onw_dtype, col, g);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (a.norm_rounded_mix) acc[j] = to_float(from_float<IO>(acc[j]));
+        sq = fmaf(acc[j], acc[j], sq);
+      }
+    }
+    sq = cta_sum(sq, warp_norm, warps, lane, warp);
+    if (threadIdx.x == 0) norm_part = sq;
+    cluster.sync();  // every rank's sum of squares visible (and every rank done reading the statistics)
+    float ss = 0.f;
+#pragma unroll
+    for (int r = 0; r < CS; ++r) ss += *cluster.map_shared_rank(&norm_part, r);
+    // torch's rms_norm order, (y * rsqrt(mean(y^2) + eps)) * weight; the rsqrt correctly rounded (as _norm_scale).
+    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fdiv_rn(ss, static_cast<float>(a.H)) +
+                                                   static_cast<float>(a.out_eps)));
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = acc[j] * scale * g[j];
   }
+  if (active) store8(static_cast<IO*>(a.out) + t * a.H + col, acc);
   cluster.sync();  // no CTA leaves (freeing its shared memory) while another may still read its partials
 #endif
 }

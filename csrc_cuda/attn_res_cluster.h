@@ -18,15 +18,22 @@ struct ClusterFwdArgs {
   const void* norm_weight;  // [H], contiguous
   const void* proj_weight;  // [H], contiguous
   void* out;                // [T, H] contiguous
-  // fused_attn_res without the output norm: the prefix candidate is round(prefix + addend) (addend may be null),
-  // stored into new_prefix ([T, H] contiguous) and, with write_idx >= 0, into blocks[:, write_idx] (a slot >= K).
+  // The fused calls: the prefix candidate is round(prefix + addend) (addend may be null), stored into new_prefix
+  // ([T, H] contiguous) or, with inplace_prefix and an addend, back into prefix's row; with write_idx >= 0 also
+  // into blocks[:, write_idx] (a slot >= K).
   const void* addend;       // [T, H], unit hidden stride, 16-byte aligned rows, or null
-  void* new_prefix;         // or null (the plain op)
+  void* new_prefix;         // or null (the plain op, and the in-place call)
   int64_t write_idx;        // -1: no snapshot
+  bool inplace_prefix;      // fused_attn_res_: the new prefix goes back into prefix
+  // The output RMSNorm, or null: out = (y * rsqrt(mean(y^2) + out_eps)) * out_norm_weight, with y the mix rounded
+  // to the io dtype (norm_rounded_mix) or the FP32 mix itself.
+  const void* out_norm_weight;  // [H], contiguous, 16-byte aligned
+  double out_eps;
+  bool norm_rounded_mix;
   int64_t T, K, H;
   int64_t stride_pt, stride_bt, stride_bc, stride_at;  // in elements
   double eps;
-  IoDtype io_dtype, nw_dtype, pw_dtype;
+  IoDtype io_dtype, nw_dtype, pw_dtype, onw_dtype;
 };
 
 // The most block rows of any compiled variant.

@@ -102,8 +102,9 @@ void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tenso
 void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks, const at::Tensor& norm_weight,
                               const at::Tensor& proj_weight, const at::Tensor& out,
                               const c10::optional<at::Tensor>& addend, const c10::optional<at::Tensor>& new_prefix,
-                              int64_t num_valid_blocks, double eps, int64_t write_idx, int64_t cluster_size,
-                              bool pdl) {
+                              const c10::optional<at::Tensor>& out_norm_weight, int64_t num_valid_blocks, double eps,
+                              double out_eps, int64_t write_idx, int64_t cluster_size, bool pdl, bool inplace_prefix,
+                              bool norm_rounded_mix) {
   const int64_t T = prefix.size(0), H = prefix.size(1);
   TORCH_CHECK(prefix.is_cuda() && blocks.dim() == 3 && blocks.size(0) == T && blocks.size(2) == H,
               "attn_res_cluster_forward: bad inputs");
@@ -126,13 +127,23 @@ void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks
                                           new_prefix->is_contiguous() && new_prefix->sizes() == prefix.sizes() &&
                                           aligned16(*new_prefix)),
               "attn_res_cluster_forward: new_prefix must be a contiguous [T, H] tensor of the io dtype");
-  TORCH_CHECK(write_idx < 0 || (new_prefix.has_value() && write_idx >= num_valid_blocks && write_idx < blocks.size(1)),
-              "attn_res_cluster_forward: the snapshot slot must be in [K, C) and needs new_prefix");
+  TORCH_CHECK(!(inplace_prefix && new_prefix.has_value()), "attn_res_cluster_forward: new_prefix or in place, not both");
+  TORCH_CHECK(write_idx < 0 || ((new_prefix.has_value() || inplace_prefix) && write_idx >= num_valid_blocks &&
+                                write_idx < blocks.size(1)),
+              "attn_res_cluster_forward: the snapshot slot must be in [K, C) and needs a fused call");
+  TORCH_CHECK(!out_norm_weight.has_value() || (out_norm_weight->is_contiguous() && out_norm_weight->numel() == H &&
+                                               aligned16(*out_norm_weight)),
+              "attn_res_cluster_forward: out_norm_weight must be a contiguous, aligned [H]");
   kc::ClusterFwdArgs a{};
   a.addend = addend.has_value() ? addend->data_ptr() : nullptr;
   a.stride_at = addend.has_value() ? addend->stride(0) : 0;
   a.new_prefix = new_prefix.has_value() ? new_prefix->data_ptr() : nullptr;
   a.write_idx = write_idx;
+  a.inplace_prefix = inplace_prefix;
+  a.out_norm_weight = out_norm_weight.has_value() ? out_norm_weight->data_ptr() : nullptr;
+  a.onw_dtype = out_norm_weight.has_value() ? io_dtype(*out_norm_weight) : kc::IoDtype::kFloat32;
+  a.out_eps = out_eps;
+  a.norm_rounded_mix = norm_rounded_mix;
   a.prefix = prefix.data_ptr();
   a.blocks = blocks.data_ptr();
   a.norm_weight = norm_weight.data_ptr();
@@ -171,10 +182,11 @@ void register_cuda_functions(py::module& m) {
         py::arg("eps"), py::arg("tokens_per_prog"), py::arg("grid"), py::arg("vectors_per_thread"));
   m.def("attn_res_cluster_forward", &attn_res_cluster_forward,
         "The thread-block-cluster forward (csrc_cuda/attn_res_cluster.cu): attn_res of 16-bit rows into out, or "
-        "fused_attn_res without the output norm (addend, new_prefix, snapshot slot)",
+        "a fused call (addend, new_prefix or the prefix in place, snapshot slot, output norm)",
         py::arg("prefix"), py::arg("blocks"), py::arg("norm_weight"), py::arg("proj_weight"), py::arg("out"),
-        py::arg("addend"), py::arg("new_prefix"), py::arg("num_valid_blocks"), py::arg("eps"), py::arg("write_idx"),
-        py::arg("cluster_size"), py::arg("pdl"));
+        py::arg("addend"), py::arg("new_prefix"), py::arg("out_norm_weight"), py::arg("num_valid_blocks"),
+        py::arg("eps"), py::arg("out_eps"), py::arg("write_idx"), py::arg("cluster_size"), py::arg("pdl"),
+        py::arg("inplace_prefix"), py::arg("norm_rounded_mix"));
   m.def("attn_res_cluster_threads", &cluster_threads,
         "Threads per CTA of the cluster forward for this shape (0: not supported)", py::arg("num_valid_blocks"),
         py::arg("hidden_size"), py::arg("element_size"), py::arg("cluster_size"));

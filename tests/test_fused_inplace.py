@@ -692,6 +692,9 @@ def test_detector_sees_the_copies_when_reinplacing_is_off(fresh_compile, monkeyp
 # --- CUDA: model-sized shapes, and one kernel launch per call ----------------------------------------------
 CUDA_CASES = [
     ServingCase(FusedCase(S(1, 4, 9, 7168), norm="own")),
+    # The cluster path (T <= 16, K = 5..8): in place, snapshot, FP32-mix norm; then without an addend, in fp16.
+    ServingCase(FusedCase(S(1, 8, 9, 7168), norm="own")),
+    ServingCase(FusedCase(S(16, 5, 9, 7168, torch.float16), addend=False, norm="own")),
     ServingCase(FusedCase(S(8, 8, 9, 7168), write="none", norm="own"), out_dtype=torch.float8_e4m3fn),
     ServingCase(FusedCase(S(64, 3, 9, 7168, layout="blockmajor"), norm="own", views=True),
                 out_dtype=torch.float8_e4m3fn),

@@ -176,7 +176,8 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
 
         single_read = (gy, x, blocks, nw, pw, grad_prefix if want_prefix else None,
                        grad_blocks if want_blocks else None, ws)
-        _launch.launch_native("single_read", single_read, (K, tokens_per_prog, programs, plan.vectors_per_thread), eps)
+        _launch.launch_native("single_read", single_read, (K, tokens_per_prog, programs, plan.vectors_per_thread),
+                              (eps,))
         _C.attn_res_bwd_single_read(*single_read, K, float(eps), tokens_per_prog, programs, plan.vectors_per_thread)
     elif plan.kernel == "rows":
         assert plan.block_h >= H and not plan.df, "the rows backward holds a whole row and has no DF variant"

@@ -197,18 +197,18 @@ def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
 NATIVE_KERNELS = ("single_read", "cluster_fwd")
 
 
-def launch_native(name: str, tensors: tuple, ints: tuple[int, ...], eps: float) -> None:
+def launch_native(name: str, tensors: tuple, ints: tuple[int, ...], floats: tuple[float, ...]) -> None:
     """Note a launch of one of k3_ops._C's CUDA C++ kernels (the caller launches it): "single_read", the
     backward of csrc_cuda/attn_res_bwd.cu, with its 8 tensors (or None), (K, tokens_per_prog, grid,
-    vectors_per_thread) and eps; "cluster_fwd", the forward of csrc_cuda/attn_res_cluster.cu, with (prefix,
-    blocks, norm_weight, proj_weight, out, addend or None, new_prefix or None), (K, cluster_size, pdl, write_idx)
-    and eps."""
+    vectors_per_thread) and (eps,); "cluster_fwd", the forward of csrc_cuda/attn_res_cluster.cu, with (prefix,
+    blocks, norm_weight, proj_weight, out, addend, new_prefix, out_norm_weight; each of the last three or None),
+    (K, cluster_size, pdl, write_idx, inplace_prefix, norm_rounded_mix) and (eps, out_eps)."""
     rec = _recorder()
     if rec is not None:
         if name not in NATIVE_KERNELS:
             rec.valid = False
         else:
-            rec.launches.append((name, tuple(tensors), tuple(int(i) for i in ints), float(eps)))
+            rec.launches.append((name, tuple(tensors), tuple(int(i) for i in ints), tuple(float(f) for f in floats)))
 
 
 def record_call(fn, args: tuple, kwargs: dict, record: bool):

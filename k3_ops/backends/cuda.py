@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -486,23 +486,26 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
         return dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, **common)
 
     if plan.kernel == "cluster":
-        # The plain op, and fused_attn_res without the output norm (its output must equal attn_res of its new
-        # prefix bit for bit); 16-byte rows. Everything else: the plan the table names for it.
-        fused_ok = fused is None or (not fused.serving and fused.out_norm_weight is None and fused.new_prefix is not
-                                     None and (fused.addend is None or fused.addend.dtype == prefix_sum.dtype))
-        rows = (prefix_sum, block_residual, out, *(() if fused is None else (fused.new_prefix,)),
-                *(() if fused is None or fused.addend is None else (fused.addend,)))
-        if (fused_ok and prefix_sum.element_size() == 2 and nw.data_ptr() % 16 == 0 and pw.data_ptr() % 16 == 0
-                and _cluster_layout_ok(rows)):
-            addend = None if fused is None else fused.addend
-            new_prefix = None if fused is None else fused.new_prefix
-            write_idx = -1 if fused is None else fused.write_idx
-            cluster = (prefix_sum, block_residual, nw, pw, out, addend, new_prefix)
-            _launch.launch_native("cluster_fwd", cluster, (K, plan.cluster_size, plan.pdl, write_idx), eps)
+        # The plain op and every fused call but the FP8 output, on 16-byte rows (so the fused op's mix is the plain
+        # op's, bit for bit); everything else: the plan the table names for it.
+        fused_ok = fused is None or (fused.out_dtype is None and (fused.addend is None or
+                                                                  fused.addend.dtype == prefix_sum.dtype))
+        onw = None if fused is None else fused.out_norm_weight
+        rows = (prefix_sum, block_residual, out,
+                *(t for t in (() if fused is None else (fused.new_prefix, fused.addend)) if t is not None))
+        if (fused_ok and prefix_sum.element_size() == 2 and all(w.data_ptr() % 16 == 0 for w in (nw, pw, onw)
+                                                                if w is not None) and _cluster_layout_ok(rows)):
+            if fused is None:
+                cluster, flags, out_eps = (prefix_sum, block_residual, nw, pw, out, None, None, None), (-1, 0, 0), 1.0
+            else:
+                cluster = (prefix_sum, block_residual, nw, pw, out, fused.addend, fused.new_prefix, onw)
+                flags, out_eps = (fused.write_idx, int(fused.inplace), int(fused.round_mix)), fused.out_eps
+            _launch.launch_native("cluster_fwd", cluster, (K, plan.cluster_size, plan.pdl, *flags), (eps, out_eps))
             from .. import _C
 
             with _device_guard(prefix_sum):
-                _C.attn_res_cluster_forward(*cluster, K, eps, write_idx, plan.cluster_size, plan.pdl)
+                _C.attn_res_cluster_forward(*cluster, K, eps, out_eps, flags[0], plan.cluster_size, plan.pdl,
+                                            bool(flags[1]), bool(flags[2]))
             return
         return _launch_forward(plan.fallback, prefix_sum, block_residual, nw, pw, out, K, eps, fused)
     stream = _stream(prefix_sum)
@@ -583,24 +586,24 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
                 prefix = torch.zeros((T, H), dtype=dtype, device=device)
                 blocks = torch.zeros((T, K, H), dtype=dtype, device=device)
                 out = torch.empty((T, H), dtype=dtype, device=device)
-                _launch_forward(plan, prefix, blocks, w, w, out, K, 1e-6)
-                if plan.fallback is not None:  # a cluster plan: the calls it leaves to its fallback compile too
-                    _launch_forward(plan.fallback, prefix, blocks, w, w, out, K, 1e-6)
                 spare = torch.zeros((T, K + 1, H), dtype=dtype, device=device)  # slot K takes the snapshot
-                if fused:
-                    for write_idx in (-1, K):
-                        args, out = _FusedArgs.allocate(prefix, prefix, write_idx, w, 1e-6)
-                        _launch_forward(plan, prefix, spare, w, w, out, K, 1e-6, args)
-                if serving:
-                    # The plan the serving calls take for this shape (the split's is the token kernel's).
-                    serving_plan = plan if plan.kernel in ("rows", "token") else choose_config(
-                        T, K, H, device, SERVING_TOKEN_CONFIG)
-                    for addend in (prefix, None):
+                # A cluster plan's fallback runs the calls the cluster kernel leaves to it: compiled too.
+                for p in (plan,) if plan.fallback is None else (plan, plan.fallback):
+                    _launch_forward(p, prefix, blocks, w, w, out, K, 1e-6)
+                    if fused:
                         for write_idx in (-1, K):
-                            target = torch.zeros((T, H), dtype=dtype, device=device)  # updated in place
-                            args, out = _FusedArgs.allocate(target, addend, write_idx, w, 1e-6, inplace=True,
-                                                            round_mix=False)
-                            _launch_forward(serving_plan, target, spare, w, w, kernel_output(out), K, 1e-6, args)
+                            args, out = _FusedArgs.allocate(prefix, prefix, write_idx, w, 1e-6)
+                            _launch_forward(p, prefix, spare, w, w, out, K, 1e-6, args)
+                if serving:
+                    serving_plan = _serving_plan(plan, T, K, H, device)
+                    for p in (serving_plan,) if serving_plan.fallback is None else (serving_plan,
+                                                                                     serving_plan.fallback):
+                        for addend in (prefix, None):
+                            for write_idx in (-1, K):
+                                target = torch.zeros((T, H), dtype=dtype, device=device)  # updated in place
+                                args, out = _FusedArgs.allocate(target, addend, write_idx, w, 1e-6, inplace=True,
+                                                                round_mix=False)
+                                _launch_forward(p, target, spare, w, w, kernel_output(out), K, 1e-6, args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(plans)
@@ -644,19 +647,37 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
 
 
 #: The plan of every serving call (fused_attn_res.quant, fused_attn_res_) where the table picks the split path
-#: (T <= 4): the per-token kernel with 4-row tiles. The split kernel has none of the serving flags (the FP32-mix
-#: norm, the FP8 epilogue, the in-place prefix store), and its second launch re-reads prefix_sum after the first
-#: would have stored the new prefix into it.
+#: (T <= 4), and of those a cluster plan leaves to its fallback (the FP8 output): the per-token kernel with 4-row
+#: tiles. The split kernel has none of the serving flags (the FP32-mix norm, the FP8 epilogue, the in-place prefix
+#: store), and its second launch re-reads prefix_sum after the first would have stored the new prefix into it.
 SERVING_TOKEN_CONFIG = LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
+
+#: Cluster plans with a serving-capable fallback, by (table plan, fallback): made once per plan.
+_serving_cluster_plans: dict[tuple, _Plan] = {}
+
+
+def _serving_plan(plan: _Plan, T: int, K: int, H: int, device: torch.device) -> _Plan:
+    # The table's plan where it has the serving flags (token, rows, cluster); a split fallback or plan replaced
+    # by SERVING_TOKEN_CONFIG's.
+    if plan.kernel in ("rows", "token"):
+        return plan
+    if plan.kernel == "cluster" and plan.fallback.kernel in ("rows", "token"):
+        return plan
+    token = choose_config(T, K, H, device, SERVING_TOKEN_CONFIG)
+    if plan.kernel != "cluster":
+        return token
+    key = (plan, token)
+    found = _serving_cluster_plans.get(key)
+    if found is None:
+        found = _serving_cluster_plans[key] = replace(plan, fallback=token)
+    return found
 
 
 def _launch_serving(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
                     proj_weight: torch.Tensor, K: int, eps: float, fused: _FusedArgs, out: torch.Tensor) -> None:
     T, H = prefix_sum.shape
     nw, pw = prepare_weights(norm_weight, proj_weight)
-    plan = choose_config(T, K, H, prefix_sum.device)
-    if plan.kernel not in ("rows", "token"):
-        plan = choose_config(T, K, H, prefix_sum.device, SERVING_TOKEN_CONFIG)
+    plan = _serving_plan(choose_config(T, K, H, prefix_sum.device), T, K, H, prefix_sum.device)
     _launch_forward(plan, prefix_sum, block_residual, nw, pw, kernel_output(out), K, float(eps), fused)
 
 
