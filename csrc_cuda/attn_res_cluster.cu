@@ -77,6 +77,37 @@ __device__ __forceinline__ float cta_sum(float value, float* warp_scratch, int w
   return s;
 }
 
+// The max of `value` over the CTA, in every thread (as cta_sum).
+__device__ __forceinline__ float cta_max(float value, float* warp_scratch, int warps, int lane, int warp) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, off));
+  if (lane == 0) warp_scratch[warp] = value;
+  __syncthreads();
+  float m = 0.f;
+  for (int q = 0; q < warps; ++q) m = fmaxf(m, warp_scratch[q]);
+  return m;
+}
+
+// fp32 -> e4m3 bit pattern, round to nearest even, for |x| <= the format's max (the caller clamps): the integer
+// arithmetic of the Triton kernels' _e4m3_bits (kernels/attn_res_fwd.py), identical to torch's conversion, for
+// e4m3fn (bias 7, NaN 0x7F | sign) and e4m3fnuz (bias 8, no -0, NaN 0x80), which CUDA's fp8 types do not cover.
+__device__ __forceinline__ uint32_t e4m3_bits(float x, bool fnuz) {
+  const int bias = fnuz ? 8 : 7;
+  const float min_normal = fnuz ? 0.0078125f : 0.015625f;  // 2^(1 - bias)
+  const float sub_scale = fnuz ? 1024.f : 512.f;            // 2^(2 + bias), 1 / the subnormal step
+  const bool is_nan = x != x;
+  const int32_t sign = static_cast<int32_t>(__float_as_uint(x) >> 31);
+  const int32_t mag = static_cast<int32_t>(__float_as_uint(is_nan ? 0.f : x) & 0x7FFFFFFFu);
+  const float ax = __int_as_float(mag);
+  // Normal range: the mantissa rounded to 3 bits, ties to even (a carry bumps the exponent), rebiased.
+  const int32_t normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - ((127 - bias) << 3);
+  // Subnormal range: adding and removing 2^23 rounds ax / step to the nearest even integer (exact: < 8).
+  const int32_t sub = static_cast<int32_t>(__fsub_rn(__fadd_rn(ax * sub_scale, 8388608.f), 8388608.f));
+  const int32_t enc = ax < min_normal ? sub : normal;
+  if (fnuz) return is_nan ? 0x80u : (enc == 0 ? 0u : static_cast<uint32_t>(enc | (sign << 7)));
+  return static_cast<uint32_t>(is_nan ? ((sign << 7) | 0x7F) : (enc | (sign << 7)));
+}
+
 template <typename T>
 __device__ __forceinline__ void store8(T* p, const float (&y)[8]) {
   uint4 raw;
@@ -105,6 +136,7 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
   __shared__ float total[2 * kMaxCand];
   __shared__ float warp_norm[32];
   __shared__ float norm_part;  // this CTA's sum of squares of the output-norm input, read by every rank
+  __shared__ float amax_part;  // this CTA's max |output| for the FP8 scale, read by every rank
 
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
@@ -226,7 +258,34 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j] = acc[j] * scale * g[j];
   }
-  if (active) store8(static_cast<IO*>(a.out) + t * a.H + col, acc);
+  if (a.fp8 != Fp8Kind::kNone) {
+    // The output as the model dtype holds it, its per-token scale (one more exchange: the max), the e4m3 bytes.
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      acc[j] = to_float(from_float<IO>(acc[j]));
+      amax = fmaxf(amax, fabsf(acc[j]));
+    }
+    amax = cta_max(active ? amax : 0.f, warp_norm, warps, lane, warp);
+    if (threadIdx.x == 0) amax_part = amax;
+    cluster.sync();  // every rank's max visible (and every rank done reading the norm's partials)
+    for (int r = 0; r < CS; ++r) amax = fmaxf(amax, *cluster.map_shared_rank(&amax_part, r));
+    const float fp8_max = static_cast<float>(a.fp8_max);
+    const float scale = __fdiv_rn(fmaxf(amax, 1e-10f), fp8_max);
+    if (active) {
+      uint32_t word[2] = {0u, 0u};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float q = __fdiv_rn(acc[j], scale);
+        if (q == q) q = fminf(fmaxf(q, -fp8_max), fp8_max);
+        word[j / 4] |= e4m3_bits(q, a.fp8 == Fp8Kind::kE4M3Fnuz) << (8 * (j % 4));
+      }
+      *reinterpret_cast<uint2*>(static_cast<uint8_t*>(a.out) + t * a.H + col) = make_uint2(word[0], word[1]);
+    }
+    if (rank == 0 && threadIdx.x == 0) a.scale[t] = scale;
+  } else if (active) {
+    store8(static_cast<IO*>(a.out) + t * a.H + col, acc);
+  }
   cluster.sync();  // no CTA leaves (freeing its shared memory) while another may still read its partials
 #endif
 }

@@ -11,6 +11,8 @@
 
 namespace k3_ops::cuda {
 
+enum class Fp8Kind : int { kNone = 0, kE4M3Fn = 1, kE4M3Fnuz = 2 };
+
 struct ClusterFwdArgs {
   const void* prefix;       // [T, H], unit hidden stride, 16-byte aligned rows
   void* blocks;             // [T, C, H] view, unit hidden stride, 16-byte aligned rows; only slots < K are read,
@@ -30,6 +32,11 @@ struct ClusterFwdArgs {
   const void* out_norm_weight;  // [H], contiguous, 16-byte aligned
   double out_eps;
   bool norm_rounded_mix;
+  // fused_attn_res.quant / an FP8 fused_attn_res_: out is [T, H] of e4m3 bytes, q = clamp(y / scale) rounded to
+  // nearest even, scale = max(amax(y), 1e-10) / fp8_max into scale ([T] fp32), y the output rounded to the io dtype.
+  Fp8Kind fp8;
+  float* scale;
+  double fp8_max;
   int64_t T, K, H;
   int64_t stride_pt, stride_bt, stride_bc, stride_at;  // in elements
   double eps;

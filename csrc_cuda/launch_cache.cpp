@@ -54,9 +54,10 @@ namespace k3_ops {
 void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks, const at::Tensor& norm_weight,
                               const at::Tensor& proj_weight, const at::Tensor& out,
                               const c10::optional<at::Tensor>& addend, const c10::optional<at::Tensor>& new_prefix,
-                              const c10::optional<at::Tensor>& out_norm_weight, int64_t num_valid_blocks, double eps,
-                              double out_eps, int64_t write_idx, int64_t cluster_size, bool pdl, bool inplace_prefix,
-                              bool norm_rounded_mix);
+                              const c10::optional<at::Tensor>& out_norm_weight, const c10::optional<at::Tensor>& scale,
+                              int64_t num_valid_blocks, double eps, double out_eps, double fp8_max, int64_t write_idx,
+                              int64_t cluster_size, bool pdl, bool inplace_prefix, bool norm_rounded_mix,
+                              int64_t fp8_kind);
 void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tensor& prefix, const at::Tensor& blocks,
                                      const at::Tensor& norm_weight, const at::Tensor& proj_weight,
                                      const c10::optional<at::Tensor>& grad_prefix,
@@ -92,8 +93,8 @@ struct Launch {
   bool pdl = false, cooperative = false;
   std::vector<Arg> args;             // Triton: every non-constexpr parameter in order; native: its tensors
   std::vector<int64_t> native_ints;  // single read: K, tokens_per_prog, grid, vectors_per_thread; cluster: K, CS, PDL,
-                                     // write_idx, in-place prefix, norm of the rounded mix
-  std::vector<double> native_floats;  // single read: eps; cluster: eps, out_eps
+                                     // write_idx, in-place prefix, norm of the rounded mix, FP8 kind
+  std::vector<double> native_floats;  // single read: eps; cluster: eps, out_eps, fp8_max
 };
 
 struct Recipe {
@@ -293,8 +294,9 @@ void replay(const Recipe& r, c10::ArrayRef<c10::IValue> args, const at::Device& 
         attn_res_bwd_single_read_launch(*t(0), *t(1), *t(2), *t(3), *t(4), t(5), t(6), t(7), n[0],
                                         l.native_floats[0], n[1], n[2], n[3]);
       } else {
-        attn_res_cluster_forward(*t(0), *t(1), *t(2), *t(3), *t(4), t(5), t(6), t(7), n[0], l.native_floats[0],
-                                 l.native_floats[1], n[3], n[1], n[2] != 0, n[4] != 0, n[5] != 0);
+        const auto& f = l.native_floats;
+        attn_res_cluster_forward(*t(0), *t(1), *t(2), *t(3), *t(4), t(5), t(6), t(7), t(8), n[0], f[0], f[1], f[2],
+                                 n[3], n[1], n[2] != 0, n[4] != 0, n[5] != 0, n[6]);
       }
       continue;
     }
@@ -397,8 +399,8 @@ std::shared_ptr<const Recipe> parse_recipe(const py::handle& recipe, const std::
       for (const auto& a : l[1]) launch.args.push_back(arg_from(a));
       launch.native_ints = l[2].cast<std::vector<int64_t>>();
       launch.native_floats = l[3].cast<std::vector<double>>();
-      if (launch.args.size() != 8u || launch.native_ints.size() != (single ? 4u : 6u) ||
-          launch.native_floats.size() != (single ? 1u : 2u)) {
+      if (launch.args.size() != (single ? 8u : 9u) || launch.native_ints.size() != (single ? 4u : 7u) ||
+          launch.native_floats.size() != (single ? 1u : 3u)) {
         return nullptr;
       }
       for (size_t i = 0; i < 5; ++i) {  // the first five tensors of either kernel are required

@@ -102,14 +102,21 @@ void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tenso
 void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks, const at::Tensor& norm_weight,
                               const at::Tensor& proj_weight, const at::Tensor& out,
                               const c10::optional<at::Tensor>& addend, const c10::optional<at::Tensor>& new_prefix,
-                              const c10::optional<at::Tensor>& out_norm_weight, int64_t num_valid_blocks, double eps,
-                              double out_eps, int64_t write_idx, int64_t cluster_size, bool pdl, bool inplace_prefix,
-                              bool norm_rounded_mix) {
+                              const c10::optional<at::Tensor>& out_norm_weight, const c10::optional<at::Tensor>& scale,
+                              int64_t num_valid_blocks, double eps, double out_eps, double fp8_max, int64_t write_idx,
+                              int64_t cluster_size, bool pdl, bool inplace_prefix, bool norm_rounded_mix,
+                              int64_t fp8_kind) {
   const int64_t T = prefix.size(0), H = prefix.size(1);
   TORCH_CHECK(prefix.is_cuda() && blocks.dim() == 3 && blocks.size(0) == T && blocks.size(2) == H,
               "attn_res_cluster_forward: bad inputs");
-  TORCH_CHECK(blocks.scalar_type() == prefix.scalar_type() && out.scalar_type() == prefix.scalar_type(),
-              "attn_res_cluster_forward: one io dtype");
+  TORCH_CHECK(fp8_kind >= 0 && fp8_kind <= 2, "attn_res_cluster_forward: fp8_kind is 0, 1 or 2");
+  TORCH_CHECK(blocks.scalar_type() == prefix.scalar_type() &&
+                  out.scalar_type() == (fp8_kind != 0 ? at::kByte : prefix.scalar_type()),
+              "attn_res_cluster_forward: one io dtype (an FP8 out: its uint8 view)");
+  TORCH_CHECK((fp8_kind != 0) == scale.has_value() &&
+                  (!scale.has_value() || (scale->scalar_type() == at::kFloat && scale->numel() == T &&
+                                          scale->is_contiguous())),
+              "attn_res_cluster_forward: an FP8 out needs a contiguous fp32 scale of T elements, and only it");
   TORCH_CHECK(prefix.stride(1) == 1 && blocks.stride(2) == 1 && out.is_contiguous() && out.sizes() == prefix.sizes(),
               "attn_res_cluster_forward: unit hidden strides, contiguous out");
   TORCH_CHECK(aligned16(prefix) && aligned16(blocks) && aligned16(out) && prefix.stride(0) % 8 == 0 &&
@@ -127,7 +134,8 @@ void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks
                                           new_prefix->is_contiguous() && new_prefix->sizes() == prefix.sizes() &&
                                           aligned16(*new_prefix)),
               "attn_res_cluster_forward: new_prefix must be a contiguous [T, H] tensor of the io dtype");
-  TORCH_CHECK(!(inplace_prefix && new_prefix.has_value()), "attn_res_cluster_forward: new_prefix or in place, not both");
+  TORCH_CHECK(!(inplace_prefix && new_prefix.has_value()),
+              "attn_res_cluster_forward: new_prefix or in place, not both");
   TORCH_CHECK(write_idx < 0 || ((new_prefix.has_value() || inplace_prefix) && write_idx >= num_valid_blocks &&
                                 write_idx < blocks.size(1)),
               "attn_res_cluster_forward: the snapshot slot must be in [K, C) and needs a fused call");
@@ -144,6 +152,9 @@ void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks
   a.onw_dtype = out_norm_weight.has_value() ? io_dtype(*out_norm_weight) : kc::IoDtype::kFloat32;
   a.out_eps = out_eps;
   a.norm_rounded_mix = norm_rounded_mix;
+  a.fp8 = static_cast<kc::Fp8Kind>(fp8_kind);
+  a.scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
+  a.fp8_max = fp8_max;
   a.prefix = prefix.data_ptr();
   a.blocks = blocks.data_ptr();
   a.norm_weight = norm_weight.data_ptr();
@@ -182,11 +193,12 @@ void register_cuda_functions(py::module& m) {
         py::arg("eps"), py::arg("tokens_per_prog"), py::arg("grid"), py::arg("vectors_per_thread"));
   m.def("attn_res_cluster_forward", &attn_res_cluster_forward,
         "The thread-block-cluster forward (csrc_cuda/attn_res_cluster.cu): attn_res of 16-bit rows into out, or "
-        "a fused call (addend, new_prefix or the prefix in place, snapshot slot, output norm)",
+        "a fused call (addend, new_prefix or the prefix in place, snapshot slot, output norm, FP8 output)",
         py::arg("prefix"), py::arg("blocks"), py::arg("norm_weight"), py::arg("proj_weight"), py::arg("out"),
-        py::arg("addend"), py::arg("new_prefix"), py::arg("out_norm_weight"), py::arg("num_valid_blocks"),
-        py::arg("eps"), py::arg("out_eps"), py::arg("write_idx"), py::arg("cluster_size"), py::arg("pdl"),
-        py::arg("inplace_prefix"), py::arg("norm_rounded_mix"));
+        py::arg("addend"), py::arg("new_prefix"), py::arg("out_norm_weight"), py::arg("scale"),
+        py::arg("num_valid_blocks"), py::arg("eps"), py::arg("out_eps"), py::arg("fp8_max"), py::arg("write_idx"),
+        py::arg("cluster_size"), py::arg("pdl"), py::arg("inplace_prefix"), py::arg("norm_rounded_mix"),
+        py::arg("fp8_kind"));
   m.def("attn_res_cluster_threads", &cluster_threads,
         "Threads per CTA of the cluster forward for this shape (0: not supported)", py::arg("num_valid_blocks"),
         py::arg("hidden_size"), py::arg("element_size"), py::arg("cluster_size"));

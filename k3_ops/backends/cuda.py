@@ -12,7 +12,7 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
   of its tokens (tokens pid, pid + grid, ...) as one continuous, prefetched sequence through a [next_pow2(H)]
   hidden tile with ``cols < H`` masks and an online softmax. Each candidate row is read once in its native dtype;
   each output row is written once; the folded weight is read once per program. Any K.
-- **split** (the default for T <= 4 and K = 5..8 for the calls the cluster path does not run; K + 1 <= 16,
+- **split** (the fallback of the cluster entries at T <= 4; K + 1 <= 16,
   larger K goes to the token path): H split into P = cdiv(H, chunk) programs per token, each holding a
   [K_PAD, chunk] tile of all candidates in registers; partial (sum v^2, <v, w>) per chunk are written by a first
   launch and combined by a second (a third scales the output norm). The partials live in a buffer allocated per
@@ -21,8 +21,8 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
 - **cluster** (the default for T <= 16 and K = 5..8): the CUDA C++ kernel of csrc_cuda/attn_res_cluster.cu,
   each token split over a thread-block cluster of ``cluster_size`` CTAs exchanging their partial statistics through
   distributed shared memory (sm_90+, a CUDA build of k3_ops._C, 16-bit rows, K <= 8, H a multiple of 8 x
-  cluster_size, unit hidden strides, 16-byte aligned rows; the plain op and fused_attn_res without the output
-  norm). Everything else that a cluster entry meets runs its ``fallback`` entry.
+  cluster_size, unit hidden strides, 16-byte aligned rows; the plain op and every fused call, the output norm and
+  the FP8 output included). Everything else that a cluster entry meets runs its ``fallback`` entry.
 
 Concurrency: no path keeps state between launches or shares a buffer across calls, so any number of launches may
 be in flight on any streams of one device, eagerly or replayed from CUDA graphs (tests/test_concurrency.py).
@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from .. import reference
 from ..kernels import attn_res_decode as _decode
 from ..kernels import attn_res_fwd as _fwd
 from . import (
@@ -247,9 +248,14 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     # From one H200 sweep (docs/benchmarks.md, "Plain mix"; bf16, H = 7168, graph replay):
     # - T <= 4, K = 5..8: the split path: more SMs per token than one program can use, its partials in a per-call
     #   buffer between two launches (T = 1, K = 8: 4.7 us against 5.7 for the best per-token tile; at K = 4 the
-    #   split's second launch costs more than it saves: 5.4 us against 4.0). T <= 4, K = 2: 2-row tiles.
-    # - K = 1 up to 256 tokens, and every K at 129-256 tokens: one program per token, one row at a time, 4 warps,
-    #   3 stages (T = 1, K = 1: 2.9 us).
+    #   split's second launch costs more than it saves: 5.4 us against 4.0).
+    # - K = 1 and K = 2 up to 128 tokens: one program per token, tiles of K rows, 8 warps, no pipelining. Against
+    #   one row with 4 warps and 3 stages (K = 1) and 4-row tiles (K = 2), same run: the plain op T = 1 / 8 / 64
+    #   2.49 / 2.56 / 2.69 us against 2.84 / 2.87 / 3.06 (K = 1), 2.95 / 3.01 / 3.23 against 3.23 / 3.71 / 3.88
+    #   (K = 2); the fused call with its output norm 3.54 / 3.61 / 3.72 against 5.24 / 5.46 / 6.03 (K = 1: with 4
+    #   warps its epilogue spills 224 bytes per thread), 3.94 / 4.02 / 4.21 against 4.12 / 5.10 / 5.33 (K = 2).
+    # - K = 1 and every K at 129-256 tokens: one program per token, one row at a time, 4 warps, 3 stages (at
+    #   T = 256, K = 1 the plain op takes 4.72 us so, 5.37 with 8 warps).
     # - K >= 2 at 5-128 tokens: one program per token, tiles of 4 block rows, 8 warps, no software pipelining (a
     #   tile's 4 rows are already in flight together; a second stage only adds shared-memory traffic).
     # - Large T: the persistent rows kernel with 4 warps: its [8192]-wide FP32 accumulator, weight and current row
@@ -257,9 +263,11 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 /
     #   0.826 of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the
     #   plan, spills 80-132 bytes pipelined (triton 3.6-3.9) against ~1 KB with prefetch 1 (tools/ptxas_info.py).
-    # - K = 5..8 at 1-16 tokens: the cluster kernel (csrc_cuda/attn_res_cluster.cu, 8 CTAs per token), where it
-    #   runs: the plain op and fused_attn_res without the output norm (whose output must equal attn_res of its new
-    #   prefix bit for bit); every other call takes the entry the table had before it (``fallback``). Same-run
+    # - K = 5..8 at 1-16 tokens: the cluster kernel (csrc_cuda/attn_res_cluster.cu, 8 CTAs per token) for the
+    #   plain op and every fused call on 16-byte rows (so that a fused call's mix is the plain op's bit for bit);
+    #   other layouts take the entry the table had before it (``fallback``). The fused call with its output norm,
+    #   same run: T = 1 / 8, K = 5 5.99 / 6.07 us against 6.05 / 7.23 on the fallback; K = 8 6.50 / 6.62 against
+    #   6.96 / 7.47. The plain op, same-run
     #   sweep at 0c2fc76: K = 5..7 4.26-5.08 us against 4.96-5.84 for the split / token entries; K = 8 at T = 8 /
     #   16 4.87 / 5.27 against 5.85 / 5.93 (token), at T <= 4 4.74-4.77 against 4.68-4.78 (split, a tie; at c330fde
     #   4.64-4.68 against 4.74-5.06). It loses at K <= 4 (one SM per token is faster there) and from T = 32 on.
@@ -267,8 +275,8 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
         before = (LaunchConfig(kernel="split", chunk=512) if t_bucket <= 4 else
                   LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
         return LaunchConfig(kernel="cluster", cluster_size=8, min_k=5, fallback=before)
-    if t_bucket <= 4 and k_bucket == 2:
-        return LaunchConfig(kernel="token", rows_per_tile=2, num_warps=8, num_stages=3)
+    if t_bucket <= 128 and k_bucket <= 2:
+        return LaunchConfig(kernel="token", rows_per_tile=k_bucket, num_warps=8, num_stages=1)
     if t_bucket <= 128 and k_bucket > 1:
         return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
     if t_bucket <= TOKEN_MAX_T:
@@ -356,6 +364,9 @@ def choose_config(T: int, K: int, H: int, device: torch.device, config: LaunchCo
         return plan
     return _resolve(K, H, device, config)
 
+
+#: The cluster kernel's FP8 output kinds (csrc_cuda/attn_res_cluster.h, Fp8Kind) by out_dtype.
+_CLUSTER_FP8_KINDS = {None: 0, torch.float8_e4m3fn: 1, torch.float8_e4m3fnuz: 2}
 
 #: What a cluster config runs where the cluster kernel cannot: the shape, the device or the build (``_resolve``), or
 #: the call (``_launch_forward``: the fused op, other layouts).
@@ -486,26 +497,29 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
         return dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, **common)
 
     if plan.kernel == "cluster":
-        # The plain op and every fused call but the FP8 output, on 16-byte rows (so the fused op's mix is the plain
-        # op's, bit for bit); everything else: the plan the table names for it.
-        fused_ok = fused is None or (fused.out_dtype is None and (fused.addend is None or
-                                                                  fused.addend.dtype == prefix_sum.dtype))
+        # The plain op and every fused call, on 16-byte rows (so a fused call's mix is the plain op's, and an FP8
+        # call's output the quantised output of the same call without FP8, bit for bit); other layouts: the plan
+        # the table names for them.
+        fused_ok = fused is None or fused.addend is None or fused.addend.dtype == prefix_sum.dtype
         onw = None if fused is None else fused.out_norm_weight
         rows = (prefix_sum, block_residual, out,
                 *(t for t in (() if fused is None else (fused.new_prefix, fused.addend)) if t is not None))
         if (fused_ok and prefix_sum.element_size() == 2 and all(w.data_ptr() % 16 == 0 for w in (nw, pw, onw)
                                                                 if w is not None) and _cluster_layout_ok(rows)):
             if fused is None:
-                cluster, flags, out_eps = (prefix_sum, block_residual, nw, pw, out, None, None, None), (-1, 0, 0), 1.0
+                cluster = (prefix_sum, block_residual, nw, pw, out, None, None, None, None)
+                flags, floats = (-1, 0, 0, 0), (eps, 1.0, 0.0)
             else:
-                cluster = (prefix_sum, block_residual, nw, pw, out, fused.addend, fused.new_prefix, onw)
-                flags, out_eps = (fused.write_idx, int(fused.inplace), int(fused.round_mix)), fused.out_eps
-            _launch.launch_native("cluster_fwd", cluster, (K, plan.cluster_size, plan.pdl, *flags), (eps, out_eps))
+                fp8 = _CLUSTER_FP8_KINDS[fused.out_dtype]
+                cluster = (prefix_sum, block_residual, nw, pw, out, fused.addend, fused.new_prefix, onw, fused.scale)
+                flags = (fused.write_idx, int(fused.inplace), int(fused.round_mix), fp8)
+                floats = (eps, fused.out_eps, reference.FP8_MAX.get(fused.out_dtype, 0.0))
+            _launch.launch_native("cluster_fwd", cluster, (K, plan.cluster_size, plan.pdl, *flags), floats)
             from .. import _C
 
             with _device_guard(prefix_sum):
-                _C.attn_res_cluster_forward(*cluster, K, eps, out_eps, flags[0], plan.cluster_size, plan.pdl,
-                                            bool(flags[1]), bool(flags[2]))
+                _C.attn_res_cluster_forward(*cluster, K, floats[0], floats[1], floats[2], flags[0], plan.cluster_size,
+                                            plan.pdl, bool(flags[1]), bool(flags[2]), flags[3])
             return
         return _launch_forward(plan.fallback, prefix_sum, block_residual, nw, pw, out, K, eps, fused)
     stream = _stream(prefix_sum)
@@ -647,9 +661,10 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
 
 
 #: The plan of every serving call (fused_attn_res.quant, fused_attn_res_) where the table picks the split path
-#: (T <= 4), and of those a cluster plan leaves to its fallback (the FP8 output): the per-token kernel with 4-row
-#: tiles. The split kernel has none of the serving flags (the FP32-mix norm, the FP8 epilogue, the in-place prefix
-#: store), and its second launch re-reads prefix_sum after the first would have stored the new prefix into it.
+#: (T <= 4), and of those a cluster plan leaves to its split fallback (rows off 16-byte boundaries): the per-token
+#: kernel with 4-row tiles. The split kernel has none of the serving flags (the FP32-mix norm, the FP8 epilogue,
+#: the in-place prefix store), and its second launch re-reads prefix_sum after the first would have stored the new
+#: prefix into it.
 SERVING_TOKEN_CONFIG = LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
 
 #: Cluster plans with a serving-capable fallback, by (table plan, fallback): made once per plan.
