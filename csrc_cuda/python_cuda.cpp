@@ -110,9 +110,10 @@ void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks
   TORCH_CHECK(prefix.is_cuda() && blocks.dim() == 3 && blocks.size(0) == T && blocks.size(2) == H,
               "attn_res_cluster_forward: bad inputs");
   TORCH_CHECK(fp8_kind >= 0 && fp8_kind <= 2, "attn_res_cluster_forward: fp8_kind is 0, 1 or 2");
+  // An FP8 out comes as its uint8 view from the policy and as the op's FP8 output from a replay: one-byte elements.
   TORCH_CHECK(blocks.scalar_type() == prefix.scalar_type() &&
-                  out.scalar_type() == (fp8_kind != 0 ? at::kByte : prefix.scalar_type()),
-              "attn_res_cluster_forward: one io dtype (an FP8 out: its uint8 view)");
+                  (fp8_kind != 0 ? out.element_size() == 1 : out.scalar_type() == prefix.scalar_type()),
+              "attn_res_cluster_forward: one io dtype (an FP8 out: one-byte elements)");
   TORCH_CHECK((fp8_kind != 0) == scale.has_value() &&
                   (!scale.has_value() || (scale->scalar_type() == at::kFloat && scale->numel() == T &&
                                           scale->is_contiguous())),
