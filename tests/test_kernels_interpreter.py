@@ -94,8 +94,10 @@ CONTRACT_CASES = [
     (Sample(T=7, K=4, cap=8, H=7168, dtype=torch.float32), "token"),
     # The full-capacity profile-run shape. H = 64 instead of 7168 keeps it cheap: the interpreter executes
     # every program's ops in Python, and 512 tokens x 9 candidates at H = 7168 take minutes. T = 512 is kept
-    # because it is what selects the rows path (and many tokens per NPU program).
-    (Sample(T=512, K=8, cap=8, H=64, dtype=torch.bfloat16), "rows"),
+    # because it is what selects the rows path at K <= 4 (and many tokens per NPU program); at K = 5..8 the
+    # per-token kernel runs up to 512 tokens.
+    (Sample(T=512, K=4, cap=8, H=64, dtype=torch.bfloat16), "rows"),
+    (Sample(T=300, K=8, cap=8, H=64, dtype=torch.bfloat16), "token"),
     (Sample(T=5, K=3, cap=6, H=320, dtype=torch.bfloat16), "token"),
     (Sample(T=5, K=3, cap=6, H=320, dtype=torch.float16), "token"),
     (Sample(T=5, K=3, cap=6, H=320, dtype=torch.float32), "token"),
@@ -224,7 +226,9 @@ def test_cuda_launch_table_overrides():
     plan = cuda.choose_config(64, 8, 7168, torch.device("cpu"))
     assert (plan.kernel, plan.rows_per_tile, plan.pdl) == ("token", 4, False)
     assert cuda.choose_config(cuda.TOKEN_MAX_T, 8, 7168, torch.device("cpu")).rows_per_tile == 1
-    assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 8, 7168, torch.device("cpu")).kernel == "rows"
+    assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 4, 7168, torch.device("cpu")).kernel == "rows"
+    assert cuda.choose_config(cuda.TOKEN_MAX_T_MANY_BLOCKS, 8, 7168, torch.device("cpu")).kernel == "token"
+    assert cuda.choose_config(cuda.TOKEN_MAX_T_MANY_BLOCKS + 1, 8, 7168, torch.device("cpu")).kernel == "rows"
     with pytest.raises(ValueError, match=r"LaunchConfig.rows_per_tile must be a power of two >= 1, got 3"):
         cuda.LaunchConfig(kernel="token", rows_per_tile=3)
     with pytest.raises(ValueError, match=r"LaunchConfig.chunk must be a power of two >= 16, got 100"):

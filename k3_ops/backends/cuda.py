@@ -3,7 +3,7 @@
 
 Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), kernel paths:
 
-- **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens except where the split is):
+- **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens, ``TOKEN_MAX_T_MANY_BLOCKS`` for K = 5..8):
   ``kernels/attn_res_decode.py``, one program per token streaming its K block rows in [ROWS, next_pow2(H)] tiles
   through an online softmax, the prefix candidate folded in last; every row read once, no workspace. With
   programmatic dependent launch (PDL) on sm_90+: a captured chain of calls overlaps each launch with its
@@ -82,6 +82,7 @@ __all__ = [
     "K_BUCKETS",
     "LAUNCH_TABLE",
     "TOKEN_MAX_T",
+    "TOKEN_MAX_T_MANY_BLOCKS",
     "INTERPRETER_NUM_SMS",
     "bucket",
     "set_launch_config",
@@ -232,8 +233,10 @@ T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 62)
 K_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 1 << 62)
 #: Split path only while K + 1 fits the [K_PAD, chunk] register tile.
 SPLIT_MAX_CANDIDATES = 16
-#: The token path is the default up to this many tokens, the rows path above (docs/benchmarks.md, "Plain mix").
+#: The token path is the default up to this many tokens, the rows path above (docs/benchmarks.md, "Plain mix")...
 TOKEN_MAX_T = 256
+#: ... except for K = 5..8 (the K bucket 8), which keeps the token path up to this many tokens.
+TOKEN_MAX_T_MANY_BLOCKS = 512
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -254,8 +257,11 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   2.49 / 2.56 / 2.69 us against 2.84 / 2.87 / 3.06 (K = 1), 2.95 / 3.01 / 3.23 against 3.23 / 3.71 / 3.88
     #   (K = 2); the fused call with its output norm 3.54 / 3.61 / 3.72 against 5.24 / 5.46 / 6.03 (K = 1: with 4
     #   warps its epilogue spills 224 bytes per thread), 3.94 / 4.02 / 4.21 against 4.12 / 5.10 / 5.33 (K = 2).
-    # - K = 1 and every K at 129-256 tokens: one program per token, one row at a time, 4 warps, 3 stages (at
-    #   T = 256, K = 1 the plain op takes 4.72 us so, 5.37 with 8 warps).
+    # - K = 1 and every K at 129-256 tokens, and K = 5..8 at 257-512 tokens: one program per token, one row at a
+    #   time, 4 warps, 3 stages (at T = 256, K = 1 the plain op takes 4.72 us so, 5.37 with 8 warps). At T = 512,
+    #   K = 8, against the rows kernel, same run: the fused call 35.37 against 42.92 us, the plain op 25.40 against
+    #   25.11; at T = 1024 / 2048 the fused call 68.29 / 133.72 against 81.23 / 157.46 but the plain op 47.13 /
+    #   89.12 against 46.51 / 89.12, and at K <= 4 the plain op loses 4-10 %: the rows kernel stays there.
     # - K >= 2 at 5-128 tokens: one program per token, tiles of 4 block rows, 8 warps, no software pipelining (a
     #   tile's 4 rows are already in flight together; a second stage only adds shared-memory traffic).
     # - Large T: the persistent rows kernel with 4 warps: its [8192]-wide FP32 accumulator, weight and current row
@@ -279,7 +285,7 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
         return LaunchConfig(kernel="token", rows_per_tile=k_bucket, num_warps=8, num_stages=1)
     if t_bucket <= 128 and k_bucket > 1:
         return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
-    if t_bucket <= TOKEN_MAX_T:
+    if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_MANY_BLOCKS and k_bucket == 8):
         return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3)
     return LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2, prefetch=0, num_stages=3)
 
@@ -487,8 +493,12 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
         if plan.pdl:
             common["launch_pdl"] = True
         if plan.kernel == "token":
+            # The output norm's weight loaded ahead where it costs no spill (kernels/attn_res_decode.py): same run,
+            # the fused call at K = 1 / 2, T = 1..128 3.38-4.61 us against 3.52-4.69; 4-row tiles and 4 warps spill.
+            ahead = (flags.get("OUT_NORM", False) and not flags.get("FP8_OUT", False) and plan.rows_per_tile <= 2
+                     and plan.num_warps >= 8)
             return dict(BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile, NUM_STAGES=plan.num_stages,
-                        USE_PDL=plan.pdl, **common)
+                        USE_PDL=plan.pdl, **common, **({"ONW_AHEAD": True} if ahead else {}))
         if plan.kernel == "rows":
             return dict(BLOCK_H=plan.block_h, PREFETCH=plan.prefetch, NUM_STAGES=plan.num_stages,
                         USE_PDL=plan.pdl, **common)

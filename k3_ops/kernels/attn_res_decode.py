@@ -21,8 +21,12 @@ the wait lets the next launch's programs be scheduled (they then wait in their o
 launch latency of a captured chain. With USE_PDL False neither instruction is emitted (the interpreter and
 pre-Hopper GPUs).
 
+The output norm's weight (``ONW_AHEAD``, set by the launch policy where the registers allow it: tiles of at most
+two rows over 8 warps, no FP8 output) is loaded with the inputs, so that its latency hides behind theirs instead
+of adding an L2 round trip after the mix; with larger tiles, or 4 warps, holding it spills.
+
 Recompile safety: T, K, every stride and write_idx are runtime arguments in ``do_not_specialize``; the compile
-key is (dtype, BLOCK_H, ROWS, VEC, H_STRIDED, ACC64, NUM_STAGES, USE_PDL, the fused flags, num_warps).
+key is (dtype, BLOCK_H, ROWS, VEC, H_STRIDED, ACC64, NUM_STAGES, USE_PDL, the fused flags, ONW_AHEAD, num_warps).
 """
 from __future__ import annotations
 
@@ -36,12 +40,15 @@ from .attn_res_fwd import (
     _add_addend,
     _block_row_ptrs,
     _load_folded_weight,
+    _norm_input,
+    _norm_scale,
     _online_update,
     _prefix_row_ptrs,
     _score,
     _serving_epilogue,
     _stats,
     _store_out,
+    _store_updated_prefix,
     gdc_launch_dependents_if,
     gdc_wait_if,
 )
@@ -57,13 +64,15 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                           SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False, scale_ptr=None,
                           INPLACE_PREFIX: tl.constexpr = False, NORM_FP32_MIX: tl.constexpr = False,
                           FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False,
-                          FP8_MAX: tl.constexpr = 448.0):
+                          FP8_MAX: tl.constexpr = 448.0, ONW_AHEAD: tl.constexpr = False):
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     hmask = cols < H
     gdc_wait_if(USE_PDL)
     gdc_launch_dependents_if(USE_PDL)
     w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
+    if ONW_AHEAD:
+        g = tl.load(onw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
     # The prefix candidate first (new_prefix with an addend): its loads overlap the tiles'.
     v = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask, other=0.0)
     if HAS_ADDEND:
@@ -90,7 +99,14 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
     # The prefix candidate, last.
     m, l_sum, acc = _online_update(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64)
     mix = acc / l_sum.to(tl.float32)
-    if FUSED:
+    if FUSED and ONW_AHEAD:
+        # The epilogue below with the output norm's weight already in registers (no FP8 output here).
+        _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt, stride_ph,
+                              stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT,
+                              INPLACE_PREFIX)
+        x = _norm_input(tl.where(K == 0, v.to(tl.float32), mix), hmask, prefix_ptr, NORM_FP32_MIX)
+        _store_out(out_ptr, t, cols, hmask, x * _norm_scale(tl.sum(x * x, axis=0), H, out_eps) * g, stride_ot, VEC)
+    elif FUSED:
         # The rows kernel's epilogue: new_prefix (or, INPLACE_PREFIX, prefix itself: this program read its row
         # above and no other program touches it), the snapshot, the output norm and the FP8 output.
         _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_ptr, t, cols, hmask, mix, v, K,
