@@ -118,7 +118,8 @@ __device__ __forceinline__ void store8(T* p, const float (&y)[8]) {
 }
 
 // kFused: the fused calls' code (addend, prefix stores, output norm, FP8 output), compiled out of the plain op's
-// instantiation.
+// instantiation: with it, the plain op took 4.92 against 4.71 us at T = 1, K = 8 (same run, same bits;
+// docs/data/cluster_instantiations_h200_2d35082.json).
 template <typename IO, typename NW, typename PW, int CS, bool kFused>
 __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(ClusterFwdArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
