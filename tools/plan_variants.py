@@ -1,0 +1,114 @@
+"""Same-run comparisons of launch plans for the serving path (H200 data in docs/benchmarks.md, "Tuning").
+
+Each variant is a rule that replaces the launch table's plan for some (T, K) and leaves the others alone; every
+variant runs through the bench sections (``k3_ops.bench`` mix, fused, layer: graph replay, NaN in unused slots)
+beside the table's own plans, so each ratio is taken within one run. The rules are the alternatives the current
+table was chosen against.
+
+Usage, on the GPU machine: python tools/plan_variants.py [k12] [rows] [token] [layer] [--out DIR]
+
+- k12: the K = 1 / 2 entries before the 8-warp K-row tiles (1 row, 4 warps, 3 stages; 2-row tiles with 3 stages
+  at T <= 4, 4-row tiles above), plain and fused, T = 1..256.
+- rows: the rows kernel at T > 256 with 8 warps (1 or 2 programs per SM, 3 or 4 stages) or 16 warps.
+- token: the per-token kernel at T = 512..2048 (K-row tiles with 8 warps; one row with 4 warps, 3 stages).
+- layer: the layer schedule against the previous defaults (the k12 entries, and every fused call on a cluster
+  entry's fallback, as before the cluster kernel had the output norm).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from k3_ops.backends import cuda  # noqa: E402
+from k3_ops.bench import fused, layer, mix  # noqa: E402
+from k3_ops.bench.common import Ops, Options  # noqa: E402
+
+_table_choice = cuda.choose_config
+
+
+def token(rows: int, warps: int, stages: int = 1) -> cuda.LaunchConfig:
+    return cuda.LaunchConfig(kernel="token", rows_per_tile=rows, num_warps=warps, num_stages=stages)
+
+
+def rows_kernel(warps: int, ctas_per_sm: int, stages: int) -> cuda.LaunchConfig:
+    return cuda.LaunchConfig(kernel="rows", num_warps=warps, ctas_per_sm=ctas_per_sm, prefetch=0,
+                             num_stages=stages)
+
+
+def variant(rule) -> Ops:
+    """Ops whose plan choice is ``rule(T, K, fused_call)``: a LaunchConfig, "fallback" (a cluster plan's
+    fallback), or None (the table's plan)."""
+    def wrap(fn, fused_call: bool):
+        def choose(T, K, H, device, config=None):
+            plan = _table_choice(T, K, H, device, config)
+            choice = None if config is not None else rule(T, K, fused_call)
+            if choice is None:
+                return plan
+            if choice == "fallback":
+                return plan.fallback if plan.kernel == "cluster" else plan
+            return _table_choice(T, K, H, device, choice)
+
+        def call(*args):
+            cuda.choose_config = choose
+            try:
+                return fn(*args)
+            finally:
+                cuda.choose_config = _table_choice
+        return call
+    return Ops(attn_res=wrap(cuda.attn_res_forward, False), fused=wrap(cuda.fused_attn_res, True))
+
+
+def previous_k12(T: int, K: int):
+    if K == 1 and T <= 256:
+        return token(1, 4, 3)
+    if K == 2 and T <= 4:
+        return token(2, 8, 3)
+    if K == 2 and T <= 128:
+        return token(4, 8, 1)
+    return None
+
+
+TABLE = variant(lambda T, K, f: None)
+SECTIONS = {
+    "k12": ({"table": TABLE, "previous": variant(lambda T, K, f: previous_k12(T, K))},
+            dict(tokens=[1, 2, 4, 8, 16, 32, 64, 128, 256], blocks=[1, 2]), (mix, fused)),
+    "rows": ({"table": TABLE, **{f"rows_w{w}_c{c}_s{s}": variant(lambda T, K, f, w=w, c=c, s=s:
+                                                                  rows_kernel(w, c, s) if T > 256 else None)
+                                 for w, c, s in ((8, 1, 3), (8, 1, 4), (16, 1, 6), (8, 2, 3))}},
+             dict(tokens=[512, 1024, 4096], blocks=[1, 8]), (mix, fused)),
+    "token": ({"table": TABLE,
+               "token_k_rows_w8": variant(lambda T, K, f: None if T <= 256 else token(min(K, 2) if K <= 2 else 4, 8)),
+               "token_1row_w4": variant(lambda T, K, f: token(1, 4, 3) if T > 256 else None)},
+              dict(tokens=[512, 1024, 2048], blocks=[1, 2, 4, 8]), (mix, fused)),
+    "layer": ({"table": TABLE,
+               "previous": variant(lambda T, K, f: previous_k12(T, K) or ("fallback" if f else None))},
+              dict(tokens=[1, 8, 64, 512]), (layer,)),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)} (default: all)")
+    p.add_argument("--out", default=".", help="directory for plan_variants_<section>_<bench section>.json")
+    args = p.parse_args()
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        p.error(f"sections must come from {', '.join(SECTIONS)}, got {', '.join(unknown)}")
+    os.makedirs(args.out, exist_ok=True)
+    for name in args.sections or list(SECTIONS):
+        ops, grid, modules = SECTIONS[name]
+        for module in modules:
+            result = module.run(Options(refs=False, rep_ms=10, layouts=["token"], **grid), ops=ops)
+            section = result["section"]
+            with open(os.path.join(args.out, f"plan_variants_{name}_{section}.json"), "w") as f:
+                json.dump(result, f, default=str)
+            for row in result["rows"]:
+                times = " ".join(f"{k[3:]}={v:.2f}" for k, v in row.items() if k.startswith("us:"))
+                print(f"{name} {section} T={row['T']} K={row.get('K', row.get('K_final'))} {times}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
