@@ -48,22 +48,9 @@
 #include <unordered_map>
 #include <vector>
 
-namespace k3_ops {
+#include "native_launch.h"
 
-// csrc_cuda/python_cuda.cpp: the single-read backward's launch (checks its layout, then launches).
-void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks, const at::Tensor& norm_weight,
-                              const at::Tensor& proj_weight, const at::Tensor& out,
-                              const c10::optional<at::Tensor>& addend, const c10::optional<at::Tensor>& new_prefix,
-                              const c10::optional<at::Tensor>& out_norm_weight, const c10::optional<at::Tensor>& scale,
-                              int64_t num_valid_blocks, double eps, double out_eps, double fp8_max, int64_t write_idx,
-                              int64_t cluster_size, bool pdl, bool inplace_prefix, bool norm_rounded_mix,
-                              int64_t fp8_kind);
-void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tensor& prefix, const at::Tensor& blocks,
-                                     const at::Tensor& norm_weight, const at::Tensor& proj_weight,
-                                     const c10::optional<at::Tensor>& grad_prefix,
-                                     const c10::optional<at::Tensor>& grad_blocks,
-                                     const c10::optional<at::Tensor>& workspace, int64_t num_valid_blocks, double eps,
-                                     int64_t tokens_per_prog, int64_t grid, int64_t vectors_per_thread);
+namespace k3_ops {
 
 namespace {
 

@@ -9,6 +9,7 @@
 
 #include "attn_res_bwd.h"
 #include "attn_res_cluster.h"
+#include "native_launch.h"
 
 namespace {
 
@@ -36,7 +37,7 @@ int64_t smem_bytes(int64_t K, int64_t H, int64_t element_size, int64_t vectors_p
 
 namespace k3_ops {
 
-// Also replayed by the launch cache (csrc_cuda/launch_cache.cpp).
+// Declared in native_launch.h; also replayed by the launch cache (csrc_cuda/launch_cache.cpp).
 void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tensor& prefix, const at::Tensor& blocks,
                               const at::Tensor& norm_weight, const at::Tensor& proj_weight,
                               const c10::optional<at::Tensor>& grad_prefix,
@@ -97,8 +98,8 @@ void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tenso
   TORCH_CHECK(err == cudaSuccess, "attn_res_bwd_single_read launch failed: ", cudaGetErrorString(err));
 }
 
-// The cluster forward (csrc_cuda/attn_res_cluster.cu); also replayed by the launch cache. The policy
-// (backends/cuda.py, cluster_supported) has checked its rules; these checks are invariants.
+// The cluster forward (csrc_cuda/attn_res_cluster.cu), declared in native_launch.h; also replayed by the launch
+// cache. The policy (backends/cuda.py, cluster_supported) has checked its rules; these checks are invariants.
 void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks, const at::Tensor& norm_weight,
                               const at::Tensor& proj_weight, const at::Tensor& out,
                               const c10::optional<at::Tensor>& addend, const c10::optional<at::Tensor>& new_prefix,
