@@ -396,6 +396,26 @@ def test_serving_flag_values_tell_every_variant_apart():
                                "write_idx", "out_eps", "HAS_ADDEND", "FUSED", "SNAPSHOT", "OUT_NORM"}
 
 
+def test_serving_plan_of_a_cluster_entry_keeps_a_serving_fallback():
+    """A cluster entry serves the serving calls itself (the cluster kernel has every serving option); what it
+    leaves to its fallback must be a kernel with the serving flags, so a split fallback becomes the 4-row token
+    kernel's plan, and a token fallback stays. Plans only: no GPU needed."""
+    from k3_ops.backends import cuda
+
+    cpu = torch.device("cpu")
+    split = cuda.choose_config(2, 6, 7168, cpu, cuda.LaunchConfig(kernel="split"))
+    token = cuda.choose_config(2, 6, 7168, cpu, cuda.SERVING_TOKEN_CONFIG)
+    rows = cuda.choose_config(2, 6, 7168, cpu, cuda.LaunchConfig(kernel="rows"))
+    cluster_split = cuda._Plan("cluster", 0, cluster_size=8, fallback=split)
+    cluster_token = cuda._Plan("cluster", 0, cluster_size=8, fallback=token)
+    served = cuda._serving_plan(cluster_split, 2, 6, 7168, cpu)
+    assert served.kernel == "cluster" and served.cluster_size == 8 and served.fallback == token
+    assert cuda._serving_plan(cluster_split, 2, 6, 7168, cpu) is served, "made once per plan"
+    assert cuda._serving_plan(cluster_token, 2, 6, 7168, cpu) is cluster_token
+    assert cuda._serving_plan(split, 2, 6, 7168, cpu) == token
+    assert cuda._serving_plan(rows, 2, 6, 7168, cpu) is rows
+
+
 @requires_interpreter
 @pytest.mark.interpreter
 def test_cuda_policy_routes_serving_calls_to_token(monkeypatch):
