@@ -47,10 +47,19 @@ struct ClusterFwdArgs {
 constexpr int kClusterMaxBlocks = 8;
 
 // Threads per CTA for this shape, or 0 when the kernel cannot run it: a 16-bit io dtype, 1 <= K <= 8, H a multiple
-// of 8 x cluster_size with at most 512 8-element vectors per CTA, cluster_size 2, 4 or 8.
+// of 8 x cluster_size with at most 512 8-element vectors per CTA, cluster_size 2, 4 or 8; cluster_size 1 is the
+// streaming kernel's (stream_fwd_threads).
 int cluster_fwd_threads(int64_t K, int64_t H, IoDtype io_dtype, int cluster_size);
 
-// Launch T clusters of cluster_size CTAs on `stream`, with programmatic dependent launch when `pdl`.
+// Launch T clusters of cluster_size CTAs on `stream`, with programmatic dependent launch when `pdl`; cluster_size 1
+// launches the streaming kernel (launch_stream_fwd).
 cudaError_t launch_cluster_fwd(const ClusterFwdArgs& args, int cluster_size, bool pdl, cudaStream_t stream);
+
+// The streaming forward (attn_res_stream.cu), same arguments: two persistent CTAs per SM, each streaming its tokens' rows
+// through a shared-memory ring. Threads per CTA, or 0 when it cannot run the shape: a 16-bit io dtype,
+// 1 <= K <= 8, H a multiple of 8 V with H / (8 V) <= 128 (one V-vector column strip per thread) for one V in
+// {1, 2, 4, 7, 8}, and shared memory per CTA for a ring of at least 3 rows beside the output norm's FP32 weight.
+int stream_fwd_threads(int64_t K, int64_t H, IoDtype io_dtype);
+cudaError_t launch_stream_fwd(const ClusterFwdArgs& args, bool pdl, cudaStream_t stream);
 
 }  // namespace k3_ops::cuda
