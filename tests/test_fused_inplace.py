@@ -719,6 +719,8 @@ CUDA_CASES = [
     ServingCase(FusedCase(S(64, 3, 9, 7168, layout="blockmajor"), norm="own", views=True),
                 out_dtype=torch.float8_e4m3fn),
     ServingCase(FusedCase(S(300, 8, 9, 7168), write="none", norm="own"), out_dtype=torch.float8_e4m3fnuz),
+    # The streaming kernel (K = 5..8 above 2048 tokens): in place, snapshot, FP8.
+    ServingCase(FusedCase(S(2100, 6, 9, 7168), norm="own"), out_dtype=torch.float8_e4m3fn),
     ServingCase(FusedCase(S(33, 2, 5, 4096, torch.float32), norm="own"), round_mix=True),
     ServingCase(FusedCase(S(5, 0, 9, 7168), addend=False, norm="own"), out_dtype=torch.float8_e4m3fn),
 ]

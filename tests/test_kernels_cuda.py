@@ -70,7 +70,8 @@ CONTRACT = [
     Sample(T=64, K=8, cap=9, H=7168),
     Sample(T=512, K=8, cap=8, H=7168),
     Sample(T=4096, K=2, cap=9, H=7168, layout="blockmajor"),
-    Sample(T=16384, K=8, cap=8, H=7168),
+    Sample(T=16384, K=8, cap=8, H=7168),  # the streaming kernel
+    Sample(T=5000, K=3, cap=4, H=7168, dtype=torch.float16, layout="blockmajor"),  # streaming, block-major
     Sample(T=16384, K=1, cap=9, H=7168, dtype=torch.float16),
     Sample(T=33, K=1, cap=2, H=33, dtype=torch.float16),
     Sample(T=100, K=64, cap=64, H=256, dtype=torch.float32),
@@ -95,6 +96,8 @@ PATHS = {
     "cluster8": dict(kernel="cluster", cluster_size=8),
     "cluster4": dict(kernel="cluster", cluster_size=4),
     "cluster2": dict(kernel="cluster", cluster_size=2),
+    # CUDA C++, persistent CTAs streaming rows through a shared-memory ring; the same fallback rules.
+    "stream": dict(kernel="stream"),
 }
 
 
@@ -153,7 +156,7 @@ def test_pdl_off_equals_on():
     for sample in (Sample(T=1, K=8, cap=9, H=7168), Sample(T=9, K=4, cap=8, H=7168, dtype=torch.float32),
                    Sample(T=600, K=2, cap=4, H=7168, dtype=torch.float16)):
         args = sample.make(device="cuda")
-        for kernel in ("token", "rows", "cluster"):
+        for kernel in ("token", "rows", "cluster", "stream"):
             stages = 1 if kernel != "rows" else 3  # a second stage of fp32 [4, 8192] tiles exceeds shared memory
             on = cuda.attn_res_forward(**args, config=cuda.LaunchConfig(kernel=kernel, pdl=True, num_stages=stages))
             off = cuda.attn_res_forward(**args, config=cuda.LaunchConfig(kernel=kernel, pdl=False, num_stages=stages))

@@ -229,6 +229,15 @@ def test_cuda_launch_table_overrides():
     assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 4, 7168, torch.device("cpu")).kernel == "rows"
     assert cuda.choose_config(cuda.TOKEN_MAX_T_MANY_BLOCKS, 8, 7168, torch.device("cpu")).kernel == "token"
     assert cuda.choose_config(cuda.TOKEN_MAX_T_MANY_BLOCKS + 1, 8, 7168, torch.device("cpu")).kernel == "rows"
+    # The streaming entries (K = 5..8 above 2048 tokens, K = 3..4 above 4096): a CUDA C++ kernel, so on the CPU
+    # (and wherever it cannot run) their rows-kernel fallback.
+    for (t_bucket, k_bucket) in ((4096, 8), (1 << 62, 8), (1 << 62, 4)):
+        entry = cuda.LAUNCH_TABLE[(t_bucket, k_bucket)]
+        assert entry.kernel == "stream" and entry.fallback.kernel == "rows", (t_bucket, k_bucket)
+    for (T, K) in ((2049, 5), (4097, 3)):
+        assert cuda.choose_config(T, K, 7168, torch.device("cpu")).kernel == "rows"
+    assert cuda.LAUNCH_TABLE[(2048, 8)].kernel == "rows" and cuda.LAUNCH_TABLE[(4096, 4)].kernel == "rows"
+    assert cuda.LAUNCH_TABLE[(1 << 62, 2)].kernel == "rows"
     with pytest.raises(ValueError, match=r"LaunchConfig.rows_per_tile must be a power of two >= 1, got 3"):
         cuda.LaunchConfig(kernel="token", rows_per_tile=3)
     with pytest.raises(ValueError, match=r"LaunchConfig.chunk must be a power of two >= 16, got 100"):

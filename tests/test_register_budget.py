@@ -76,39 +76,54 @@ def _nvcc() -> str | None:
     return found if Path(found).exists() else None
 
 
+def _nvcc_resources(source_name: str, tmp_path_factory, entry: str, key) -> dict:
+    """ptxas -v of every kernel in csrc_cuda/<source_name> compiled for sm_90: {key(match): resources} for each
+    entry function matching the regex ``entry`` (registers, stack frame, spill stores and loads)."""
+    import re
+
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no CUDA toolkit (nvcc) here: the C++ kernel's register budget is checked where one is")
+    source = Path(__file__).resolve().parent.parent / "csrc_cuda" / source_name
+    obj = tmp_path_factory.mktemp("nvcc") / (source.stem + ".o")
+    r = subprocess.run([nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v", "-c",
+                        str(source), "-o", str(obj)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "warning" not in r.stderr.lower(), r.stderr[-3000:]
+    out, name = {}, None
+    for line in r.stderr.splitlines():
+        m = re.search(r"Compiling entry function '" + entry, line)
+        if m:
+            name = key(m)
+            out[name] = {}
+            continue
+        if name is None:
+            continue
+        for field, pattern in (("stack", r"(\d+) bytes stack frame"), ("spill_stores", r"(\d+) bytes spill stores"),
+                               ("spill_loads", r"(\d+) bytes spill loads"), ("regs", r"Used (\d+) registers")):
+            m = re.search(pattern, line)
+            if m:
+                out[name][field] = int(m.group(1))
+    return out
+
+
+def _dtype(mangled: str) -> str:
+    return "bf16" if mangled == "bfloat16" else "fp16"
+
+
 @pytest.fixture(scope="module")
 def cpp_budget(tmp_path_factory) -> dict[tuple[str, int, int], dict[str, int]]:
     """ptxas -v of every compiled variant, keyed (dtype, vectors per thread, rows); vectors per thread 0 is the
     shared-memory-resident kernel (one vector per thread)."""
     import re
 
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("no CUDA toolkit (nvcc) here: the C++ kernel's register budget is checked where one is")
-    source = Path(__file__).resolve().parent.parent / "csrc_cuda" / "attn_res_bwd.cu"
-    obj = tmp_path_factory.mktemp("nvcc") / "attn_res_bwd.o"
-    r = subprocess.run([nvcc, "-O3", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v", "-c", str(source),
-                        "-o", str(obj)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "warning" not in r.stderr.lower(), r.stderr[-3000:]
-    out, name = {}, None
-    for line in r.stderr.splitlines():
+    def key(m):
         # ..._single_read_kernelI13__nv_bfloat16Li2ELi10EE... (dtype, VPT, MAXR); ..._smem_kernelI6__halfLi10EE...
-        m = re.search(r"Compiling entry function '\w*single_read_(smem_)?kernelI\w*?(bfloat16|half)((?:Li\d+E)+)", line)
-        if m:
-            ints = [int(i) for i in re.findall(r"Li(\d+)E", m.group(3))]
-            vpt, rows = (0, ints[0]) if m.group(1) else (ints[0], ints[1])
-            name = ("bf16" if m.group(2) == "bfloat16" else "fp16", vpt, rows)
-            out[name] = {}
-            continue
-        if name is None:
-            continue
-        for key, pattern in (("stack", r"(\d+) bytes stack frame"), ("spill_stores", r"(\d+) bytes spill stores"),
-                             ("spill_loads", r"(\d+) bytes spill loads"), ("regs", r"Used (\d+) registers")):
-            m = re.search(pattern, line)
-            if m:
-                out[name][key] = int(m.group(1))
-    return out
+        ints = [int(i) for i in re.findall(r"Li(\d+)E", m.group(3))]
+        return (_dtype(m.group(2)), *((0, ints[0]) if m.group(1) else (ints[0], ints[1])))
+
+    return _nvcc_resources("attn_res_bwd.cu", tmp_path_factory,
+                           r"\w*single_read_(smem_)?kernelI\w*?(bfloat16|half)((?:Li\d+E)+)", key)
 
 
 def test_cuda_cpp_backward_variants_compile_within_budget(cpp_budget):
@@ -149,3 +164,26 @@ def test_cuda_cpp_backward_k8_variant_spills_little(cpp_budget, dtype):
     # The bound catches a regression to the ~1 KB that hurts.
     r = cpp_budget[(dtype, 2, 10)]
     assert r.get("spill_stores", 0) <= 256 and r.get("spill_loads", 0) <= 512, r
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The CUDA C++ streaming forward (csrc_cuda/attn_res_stream.cu), compiled the same way.
+# --------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stream_budget(tmp_path_factory) -> dict[tuple[str, int, bool], dict[str, int]]:
+    """ptxas -v of every streaming variant, keyed (dtype, vectors per thread, fused)."""
+    # ..._stream_kernelI13__nv_bfloat16Li7ELb1EE... (dtype, V, fused)
+    return _nvcc_resources("attn_res_stream.cu", tmp_path_factory,
+                           r"\w*stream_kernelI\w*?(bfloat16|half)Li(\d+)ELb([01])E",
+                           lambda m: (_dtype(m.group(1)), int(m.group(2)), m.group(3) == "1"))
+
+
+def test_cuda_cpp_stream_variants_fit_two_ctas_per_sm_without_local_memory(stream_budget):
+    # 2 dtypes x vectors per thread {1, 2, 4, 7, 8} x {plain, fused}. Two 128-thread CTAs per SM allow 255
+    # registers per thread (the launch bound); the accumulator, the folded weight and the current row of a thread
+    # are V x 8 values each (V = 7 at H = 7168: 213 registers plain, 235 fused with nvcc 13.0) and must stay in
+    # registers: no spills, no stack frame (a run-time-indexed register array would put it in local memory).
+    assert len(stream_budget) == 20, sorted(stream_budget)
+    for key, r in stream_budget.items():
+        assert 0 < r["regs"] <= 255, (key, r)
+        assert r.get("stack", 0) == 0 and r.get("spill_stores", 0) == 0 and r.get("spill_loads", 0) == 0, (key, r)

@@ -5,7 +5,7 @@ variant runs through the bench sections (``k3_ops.bench`` mix, fused, layer: gra
 beside the table's own plans, so each ratio is taken within one run. The rules are the alternatives the current
 table was chosen against.
 
-Usage, on the GPU machine: python tools/plan_variants.py [k12] [rows] [token] [layer] [--out DIR]
+Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DIR]
 
 - k12: the K = 1 / 2 entries before the 8-warp K-row tiles (1 row, 4 warps, 3 stages; 2-row tiles with 3 stages
   at T <= 4, 4-row tiles above), plain and fused, T = 1..256.
@@ -13,6 +13,11 @@ Usage, on the GPU machine: python tools/plan_variants.py [k12] [rows] [token] [l
 - token: the per-token kernel at T = 512..2048 (K-row tiles with 8 warps; one row with 4 warps, 3 stages).
 - layer: the layer schedule against the previous defaults (the k12 entries, and every fused call on a cluster
   entry's fallback, as before the cluster kernel had the output norm).
+- stream: the streaming CUDA C++ kernel (csrc_cuda/attn_res_stream.cu) against the table, plain and fused,
+  T = 64..16384, K = 1, 4, 8.
+- layer_stream: the layer schedule with the streaming kernel at T >= 32.
+- stream_edges: the table (the streaming kernel at K = 5..8 above 2048 tokens, K = 3..4 above 4096) beside the
+  rows kernel and the streaming kernel on either side of those edges, T = 2048 and 8192, K = 2, 5, 8.
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ def variant(rule) -> Ops:
             if choice is None:
                 return plan
             if choice == "fallback":
-                return plan.fallback if plan.kernel == "cluster" else plan
+                return plan.fallback if plan.kernel in cuda.NATIVE_KERNELS else plan
             return _table_choice(T, K, H, device, choice)
 
         def call(*args):
@@ -72,6 +77,7 @@ def previous_k12(T: int, K: int):
 
 
 TABLE = variant(lambda T, K, f: None)
+STREAM = cuda.LaunchConfig(kernel="stream")
 SECTIONS = {
     "k12": ({"table": TABLE, "previous": variant(lambda T, K, f: previous_k12(T, K))},
             dict(tokens=[1, 2, 4, 8, 16, 32, 64, 128, 256], blocks=[1, 2]), (mix, fused)),
@@ -86,6 +92,13 @@ SECTIONS = {
     "layer": ({"table": TABLE,
                "previous": variant(lambda T, K, f: previous_k12(T, K) or ("fallback" if f else None))},
               dict(tokens=[1, 8, 64, 512]), (layer,)),
+    "stream": ({"table": TABLE, "stream": variant(lambda T, K, f: STREAM if T >= 16 else None)},
+               dict(tokens=[64, 128, 256, 512, 1024, 4096, 16384], blocks=[1, 4, 8]), (mix, fused)),
+    "layer_stream": ({"table": TABLE, "stream": variant(lambda T, K, f: STREAM if T >= 32 else None)},
+                     dict(tokens=[1, 8, 64, 512]), (layer,)),
+    "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
+                      "stream": variant(lambda T, K, f: STREAM)},
+                     dict(tokens=[2048, 8192], blocks=[2, 5, 8]), (mix, fused)),
 }
 
 

@@ -23,6 +23,11 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
   distributed shared memory (sm_90+, a CUDA build of k3_ops._C, 16-bit rows, K <= 8, H a multiple of 8 x
   cluster_size, unit hidden strides, 16-byte aligned rows; the plain op and every fused call, the output norm and
   the FP8 output included). Everything else that a cluster entry meets runs its ``fallback`` entry.
+- **stream** (the default for K = 5..8 above 2048 tokens and K = 3..4 above 4096): the CUDA C++ kernel of
+  csrc_cuda/attn_res_stream.cu: two persistent 4-warp CTAs per SM, each thread owning H / 128 columns of every row,
+  the rows of the CTA's tokens streamed one at a time through a shared-memory ring (cp.async) with an online
+  softmax; the fused epilogue holds only the thread's own columns, the output norm's weight in shared memory.
+  Same rules and ``fallback`` as the cluster path (it is the native entry's cluster size 1).
 
 Concurrency: no path keeps state between launches or shares a buffer across calls, so any number of launches may
 be in flight on any streams of one device, eagerly or replayed from CUDA graphs (tests/test_concurrency.py).
@@ -176,7 +181,7 @@ def _stream(t: torch.Tensor) -> int | None:
 class LaunchConfig:
     """One launch-table entry.
 
-    kernel: "token", "rows", "split", "tiles" or "cluster".
+    kernel: "token", "rows", "split", "tiles", "cluster" or "stream".
     num_warps: warps per program; None derives it from the tile size.
     rows_per_tile: token path only, block rows per [ROWS, BLOCK_H] tile (a power of two).
     num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads (each stage
@@ -191,8 +196,8 @@ class LaunchConfig:
     maxnreg: register cap per thread (None: the compiler's choice); caps buy occupancy at the risk of spills.
     tile_h: tiles path only (the two-pass [K_PAD, tile_h] kernel also used on Ascend), hidden tile width.
     cluster_size: cluster path only, CTAs per token (2, 4 or 8).
-    min_k: cluster path only, the smallest K it runs; smaller K, and calls or shapes it cannot run, take
-        ``fallback`` (None: ``CLUSTER_FALLBACK_CONFIG``).
+    min_k: cluster and stream paths only, the smallest K it runs; smaller K, and calls or shapes it cannot run,
+        take ``fallback`` (None: ``CLUSTER_FALLBACK_CONFIG``).
     """
 
     kernel: str = "rows"
@@ -211,9 +216,9 @@ class LaunchConfig:
     fallback: LaunchConfig | None = None
 
     def __post_init__(self):
-        if self.kernel not in ("token", "rows", "split", "tiles", "cluster"):
-            raise ValueError("LaunchConfig.kernel must be 'token', 'rows', 'split', 'tiles' or 'cluster', got "
-                             f"{self.kernel!r}")
+        if self.kernel not in ("token", "rows", "split", "tiles", "cluster", "stream"):
+            raise ValueError("LaunchConfig.kernel must be 'token', 'rows', 'split', 'tiles', 'cluster' or 'stream', "
+                             f"got {self.kernel!r}")
         if self.cluster_size not in (2, 4, 8):
             raise ValueError(f"LaunchConfig.cluster_size must be 2, 4 or 8, got {self.cluster_size}")
         if self.prefetch not in (0, 1, 2):
@@ -247,6 +252,10 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
     return buckets[-1]
 
 
+#: The large-T rows kernel as the table runs it (and as the streaming entries' fallback): "Large T" below.
+ROWS_CONFIG = LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2, prefetch=0, num_stages=3)
+
+
 def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     # From one H200 sweep (docs/benchmarks.md, "Plain mix"; bf16, H = 7168, graph replay):
     # - T <= 4, K = 5..8: the split path: more SMs per token than one program can use, its partials in a per-call
@@ -277,6 +286,15 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   sweep at 0c2fc76: K = 5..7 4.26-5.08 us against 4.96-5.84 for the split / token entries; K = 8 at T = 8 /
     #   16 4.87 / 5.27 against 5.85 / 5.93 (token), at T <= 4 4.74-4.77 against 4.68-4.78 (split, a tie; at c330fde
     #   4.64-4.68 against 4.74-5.06). It loses at K <= 4 (one SM per token is faster there) and from T = 32 on.
+    # - K = 5..8 above 2048 tokens and K = 3..4 above 4096: the streaming kernel (csrc_cuda/attn_res_stream.cu),
+    #   rows through a shared-memory ring, each thread's columns of the mix in registers and the output norm's
+    #   weight in shared memory (the rows kernel's fused epilogue spills). Same run against the rows kernel: the
+    #   fused call at K = 8, T = 4096 / 16384 225.3 / 829.3 us against 308.2 / 1182.1, the plain op 163.8 / 592.9
+    #   against 174.2 / 665.3; K = 4 at T = 16384 576.8 and 360.9 against 745.0 and 386.0. Not below: at T = 1024,
+    #   K = 8 the fused call gains (70.7 against 81.8) but the plain op, which shares the plan, loses (50.8 against
+    #   46.6); at T = 4096, K = 4 the plain op ties (103.4 against 102.6), and at K = 1 it loses at every T.
+    if (t_bucket > 2048 and k_bucket == 8) or (t_bucket > 4096 and k_bucket == 4):
+        return LaunchConfig(kernel="stream", min_k=3, fallback=ROWS_CONFIG)
     if t_bucket <= 16 and k_bucket == 8:
         before = (LaunchConfig(kernel="split", chunk=512) if t_bucket <= 4 else
                   LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
@@ -287,7 +305,7 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
         return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
     if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_MANY_BLOCKS and k_bucket == 8):
         return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3)
-    return LaunchConfig(kernel="rows", num_warps=4, ctas_per_sm=2, prefetch=0, num_stages=3)
+    return ROWS_CONFIG
 
 
 LAUNCH_TABLE: dict[tuple[int, int], LaunchConfig] = {
@@ -371,6 +389,10 @@ def choose_config(T: int, K: int, H: int, device: torch.device, config: LaunchCo
     return _resolve(K, H, device, config)
 
 
+#: The CUDA C++ forward paths (csrc_cuda/attn_res_cluster.cu, attn_res_stream.cu): one native entry, every call,
+#: a ``fallback`` plan for what they cannot run.
+NATIVE_KERNELS = ("cluster", "stream")
+
 #: The cluster kernel's FP8 output kinds (csrc_cuda/attn_res_cluster.h, Fp8Kind) by out_dtype.
 _CLUSTER_FP8_KINDS = {None: 0, torch.float8_e4m3fn: 1, torch.float8_e4m3fnuz: 2}
 
@@ -380,9 +402,10 @@ CLUSTER_FALLBACK_CONFIG = LaunchConfig(kernel="token", rows_per_tile=4, num_warp
 
 
 def cluster_supported(K: int, H: int, device: torch.device, cluster_size: int, element_size: int = 2) -> bool:
-    """Whether the cluster kernel (csrc_cuda/attn_res_cluster.cu) can run this shape on ``device``: a CUDA build
-    of k3_ops._C, a GPU of compute capability 9.0+ (thread-block clusters), 16-bit rows, K <= 8 and H a multiple
-    of 8 x cluster_size. The layout (unit hidden strides, 16-byte aligned rows) is checked per call."""
+    """Whether the cluster kernel (csrc_cuda/attn_res_cluster.cu), or with cluster_size 1 the streaming kernel
+    (csrc_cuda/attn_res_stream.cu), can run this shape on ``device``: a CUDA build of k3_ops._C, a GPU of compute
+    capability 9.0+, 16-bit rows, K <= 8 and H a multiple of 8 x cluster_size (streaming: of 8 x 1, 2, 4, 7 or 8,
+    at most 128 threads). The layout (unit hidden strides, 16-byte aligned rows) is checked per call."""
     if use_interpreter(device) or not _has_cuda_kernels() or K < 1:
         return False
     from .. import _C
@@ -403,12 +426,14 @@ def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Pla
     if config.kernel == "split" and K + 1 > SPLIT_MAX_CANDIDATES:
         # More candidates than the split tile holds: the per-token kernel, which takes any K.
         config = LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
-    if config.kernel == "cluster":
+    if config.kernel in NATIVE_KERNELS:
+        # One native entry: the streaming kernel is its cluster size 1 (csrc_cuda/attn_res_cluster.h).
+        cluster_size = config.cluster_size if config.kernel == "cluster" else 1
         fallback = _resolve(K, H, device, config.fallback or CLUSTER_FALLBACK_CONFIG)
-        if K < config.min_k or not cluster_supported(K, H, device, config.cluster_size):
+        if K < config.min_k or not cluster_supported(K, H, device, cluster_size):
             return fallback
         pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
-        return _Plan("cluster", 0, pdl=pdl, cluster_size=config.cluster_size, fallback=fallback)
+        return _Plan(config.kernel, 0, pdl=pdl, cluster_size=cluster_size, fallback=fallback)
     if config.kernel == "token":
         pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
         return _Plan("token", config.num_warps or _rows_warps(block_h), block_h=block_h,
@@ -506,7 +531,7 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
             return dict(BLOCK_H=plan.tile_h, K_PAD=plan.k_pad, COMPENSATED=common.pop("ACC64"), **common)
         return dict(CHUNK=plan.chunk, K_PAD=plan.k_pad, P_PAD=plan.p_pad, **common)
 
-    if plan.kernel == "cluster":
+    if plan.kernel in NATIVE_KERNELS:
         # The plain op and every fused call, on 16-byte rows (so a fused call's mix is the plain op's, and an FP8
         # call's output the quantised output of the same call without FP8, bit for bit); other layouts: the plan
         # the table names for them.
@@ -686,10 +711,10 @@ def _serving_plan(plan: _Plan, T: int, K: int, H: int, device: torch.device) -> 
     # by SERVING_TOKEN_CONFIG's.
     if plan.kernel in ("rows", "token"):
         return plan
-    if plan.kernel == "cluster" and plan.fallback.kernel in ("rows", "token"):
+    if plan.kernel in NATIVE_KERNELS and plan.fallback.kernel in ("rows", "token"):
         return plan
     token = choose_config(T, K, H, device, SERVING_TOKEN_CONFIG)
-    if plan.kernel != "cluster":
+    if plan.kernel not in NATIVE_KERNELS:
         return token
     key = (plan, token)
     found = _serving_cluster_plans.get(key)
