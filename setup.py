@@ -1,5 +1,7 @@
 """Build k3_ops._C: the kimi_k3 schemas, Meta kernels and shared argument checks (C++), plus, where a CUDA
-toolkit and a CUDA build of torch are present, the CUDA C++ kernels of csrc_cuda/ (the single-read backward).
+toolkit and a CUDA build of torch are present, the CUDA C++ of csrc_cuda/ (the single-read backward, the cluster and
+streaming forwards, the launch cache). The toolkit needs nvcc and the CUDA runtime's headers only (no cuBLAS,
+cuSPARSE or cuSOLVER headers: the sources include c10's CUDA headers, not ATen/cuda/CUDAContext.h).
 
 No CUDA or Ascend toolkit is needed: without one this is a CPU-only C++ build and the device kernels are Triton,
 registered from Python (the CUDA backward then uses its Triton kernels only). Build with torch already installed

@@ -27,8 +27,10 @@
 // ambiguous). K3_OPS_CPP_LAUNCH=0 turns replay off (every call goes to Python, nothing is recorded).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/cuda/CUDAContext.h>
+// c10's stream header, not ATen/cuda/CUDAContext.h: that one pulls in cuBLAS, cuSPARSE and cuSOLVER headers,
+// which a toolkit of only nvcc and the runtime (a conda cuda-nvcc install, say) does not ship.
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -264,7 +266,7 @@ void replay(const Recipe& r, c10::ArrayRef<c10::IValue> args, const at::Device& 
   std::vector<at::Tensor> scratch;
   scratch.reserve(r.scratch.size());
   for (const TensorSpec& s : r.scratch) scratch.push_back(at::empty_strided(s.sizes, s.strides, options.dtype(s.dtype)));
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const Driver& d = driver();
   CUcontext ctx = nullptr;
   if (d.ctx_get_current(&ctx) == CUDA_SUCCESS && ctx == nullptr) {

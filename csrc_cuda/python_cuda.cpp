@@ -3,8 +3,10 @@
 // The launch policy (k3_ops/backends/cuda.py) decides when the single-read backward runs and has checked the
 // arguments (kimi_k3::attn_res_backward's rules plus this kernel's: 16-bit candidates, unit hidden strides,
 // 16-byte aligned rows, K <= 8); the checks here are internal invariants, so a violation is a bug, not bad input.
-#include <ATen/cuda/CUDAContext.h>
+// c10's stream header, not ATen/cuda/CUDAContext.h: that one pulls in cuBLAS, cuSPARSE and cuSOLVER headers,
+// which a toolkit of only nvcc and the runtime (a conda cuda-nvcc install, say) does not ship.
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include "attn_res_bwd.h"
@@ -94,7 +96,7 @@ void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tenso
   a.vectors_per_thread = static_cast<int>(vectors_per_thread);
 
   const c10::cuda::CUDAGuard guard(prefix.device());
-  const cudaError_t err = kc::launch_single_read_bwd(a, static_cast<int>(grid), at::cuda::getCurrentCUDAStream());
+  const cudaError_t err = kc::launch_single_read_bwd(a, static_cast<int>(grid), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "attn_res_bwd_single_read launch failed: ", cudaGetErrorString(err));
 }
 
@@ -174,7 +176,7 @@ void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks
   a.pw_dtype = io_dtype(proj_weight);
   const c10::cuda::CUDAGuard guard(prefix.device());
   const cudaError_t err = kc::launch_cluster_fwd(a, static_cast<int>(cluster_size), pdl,
-                                                 at::cuda::getCurrentCUDAStream());
+                                                 c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "attn_res_cluster_forward launch failed: ", cudaGetErrorString(err));
 }
 
