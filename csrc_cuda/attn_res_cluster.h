@@ -55,8 +55,8 @@ int cluster_fwd_threads(int64_t K, int64_t H, IoDtype io_dtype, int cluster_size
 // launches the streaming kernel (launch_stream_fwd).
 cudaError_t launch_cluster_fwd(const ClusterFwdArgs& args, int cluster_size, bool pdl, cudaStream_t stream);
 
-// The streaming forward (attn_res_stream.cu), same arguments: two persistent CTAs per SM, each streaming its tokens' rows
-// through a shared-memory ring. Threads per CTA, or 0 when it cannot run the shape: a 16-bit io dtype,
+// The streaming forward (attn_res_stream.cu), same arguments: two persistent CTAs per SM, each streaming its
+// tokens' rows through a shared-memory ring. Threads per CTA, or 0 when it cannot run the shape: a 16-bit io dtype,
 // 1 <= K <= 8, H a multiple of 8 V with H / (8 V) <= 128 (one V-vector column strip per thread) for one V in
 // {1, 2, 4, 7, 8}, and shared memory per CTA for a ring of at least 3 rows beside the output norm's FP32 weight.
 int stream_fwd_threads(int64_t K, int64_t H, IoDtype io_dtype);

@@ -100,8 +100,9 @@ void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tenso
   TORCH_CHECK(err == cudaSuccess, "attn_res_bwd_single_read launch failed: ", cudaGetErrorString(err));
 }
 
-// The cluster forward (csrc_cuda/attn_res_cluster.cu), declared in native_launch.h; also replayed by the launch
-// cache. The policy (backends/cuda.py, cluster_supported) has checked its rules; these checks are invariants.
+// The cluster forward (csrc_cuda/attn_res_cluster.cu; cluster_size 1: the streaming forward, attn_res_stream.cu),
+// declared in native_launch.h; also replayed by the launch cache. The policy (backends/cuda.py, cluster_supported)
+// has checked its rules; these checks are invariants.
 void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks, const at::Tensor& norm_weight,
                               const at::Tensor& proj_weight, const at::Tensor& out,
                               const c10::optional<at::Tensor>& addend, const c10::optional<at::Tensor>& new_prefix,
@@ -196,16 +197,18 @@ void register_cuda_functions(py::module& m) {
         py::arg("grad_prefix"), py::arg("grad_blocks"), py::arg("workspace"), py::arg("num_valid_blocks"),
         py::arg("eps"), py::arg("tokens_per_prog"), py::arg("grid"), py::arg("vectors_per_thread"));
   m.def("attn_res_cluster_forward", &attn_res_cluster_forward,
-        "The thread-block-cluster forward (csrc_cuda/attn_res_cluster.cu): attn_res of 16-bit rows into out, or "
-        "a fused call (addend, new_prefix or the prefix in place, snapshot slot, output norm, FP8 output)",
+        "The thread-block-cluster forward (csrc_cuda/attn_res_cluster.cu; cluster_size 1: the streaming forward, "
+        "attn_res_stream.cu): attn_res of 16-bit rows into out, or a fused call (addend, new_prefix or the prefix "
+        "in place, snapshot slot, output norm, FP8 output)",
         py::arg("prefix"), py::arg("blocks"), py::arg("norm_weight"), py::arg("proj_weight"), py::arg("out"),
         py::arg("addend"), py::arg("new_prefix"), py::arg("out_norm_weight"), py::arg("scale"),
         py::arg("num_valid_blocks"), py::arg("eps"), py::arg("out_eps"), py::arg("fp8_max"), py::arg("write_idx"),
         py::arg("cluster_size"), py::arg("pdl"), py::arg("inplace_prefix"), py::arg("norm_rounded_mix"),
         py::arg("fp8_kind"));
   m.def("attn_res_cluster_threads", &cluster_threads,
-        "Threads per CTA of the cluster forward for this shape (0: not supported)", py::arg("num_valid_blocks"),
-        py::arg("hidden_size"), py::arg("element_size"), py::arg("cluster_size"));
+        "Threads per CTA of the cluster forward (cluster_size 1: the streaming forward) for this shape (0: not "
+        "supported)",
+        py::arg("num_valid_blocks"), py::arg("hidden_size"), py::arg("element_size"), py::arg("cluster_size"));
   m.def("attn_res_bwd_single_read_smem_bytes", &smem_bytes,
         "Dynamic shared memory of one single-read backward program (bytes; 0: shape or dtype not supported)",
         py::arg("num_valid_blocks"), py::arg("hidden_size"), py::arg("element_size"), py::arg("vectors_per_thread"));
