@@ -119,6 +119,60 @@ def test_fused_section_times_every_variant_beside_the_unfused_row(timer):
         assert r["vs_unfused"] == pytest.approx(r["us:unfused"] / r["us:a"])
 
 
+def _floor_truth(rows: torch.Tensor, programs: int, block: int, eps: float, norm: bool) -> torch.Tensor:
+    """What the floor kernel computes, in float64: each program's columns of every row scaled by that program's
+    partial mean square, summed over rows (and, with the norm, scaled again by the mix's partial mean square)."""
+    H = rows.shape[-1]
+    out = torch.empty(rows.shape[0], H, dtype=torch.float64)
+    for p in range(programs):
+        c = slice(p * block, min(H, (p + 1) * block))
+        x = rows[..., c].double()
+        y = (x * torch.rsqrt(x.square().sum(-1, keepdim=True) / H + eps)).sum(1)
+        if norm:
+            y = y * torch.rsqrt(y.square().sum(-1, keepdim=True) / H + eps)
+        out[:, c] = y
+    return out
+
+
+# T = 3: a token split over 8 programs (no exchange between them); T = 20: one program per token.
+@pytest.mark.parametrize("T", [3, 20], ids=lambda T: f"T{T}")
+@pytest.mark.parametrize("K", [0, 2, 8], ids=lambda K: f"K{K}")
+def test_floor_kernel_reads_every_row_and_stores_what_the_call_stores(device, T, K):
+    """The floor under a serving call (bench.floor) does the call's loads, stores and reductions: new_prefix
+    and the snapshot are torch's add bit for bit, nothing else in the buffer changes, NaN capacity is never read,
+    and its output depends on every candidate row as the kernel's stated arithmetic says."""
+    from conftest import triton_interpreted
+
+    if device == "cpu" and not triton_interpreted():
+        pytest.skip("the floor kernel runs on CPU tensors only under the Triton interpreter")
+    from k3_ops.bench import floor
+
+    H, cap, eps = 64, 9, 1e-6
+    problem = common.Problem(T, cap, H, torch.bfloat16, torch.device(device), "token")
+    problem.poison(K)
+    write = K if K < cap else -1
+    args = problem.fused_args(T, K, write)
+    before = problem.blocks(T).clone()
+    out, new_prefix = floor.fused_floor(*args)
+    if device == "cpu":  # the interpreter's bf16 store truncates (test_kernels_interpreter): one ulp
+        torch.testing.assert_close(new_prefix, args[0] + args[1], rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(new_prefix, args[0] + args[1])
+    blocks = problem.blocks(T)
+    others = [i for i in range(cap) if i != write]
+    assert torch.equal(blocks[:, others].view(torch.int16), before[:, others].view(torch.int16))
+    assert torch.equal(blocks[:, write], new_prefix)
+    rows_, programs, block, _ = floor._geometry(T, K, H)
+    assert programs == (8 if T <= floor.SPLIT_MAX_T else 1)
+    candidates = torch.cat([before[:, :K], new_prefix[:, None]], 1).cpu()
+    truth = _floor_truth(candidates, programs, block, eps, norm=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu().double(), truth, rtol=2**-7, atol=1e-2)
+    mix = floor.mix_floor(*problem.attn_res_args(T, K))
+    truth = _floor_truth(torch.cat([before[:, :K], args[0][:, None]], 1).cpu(), programs, block, eps, norm=False)
+    torch.testing.assert_close(mix.cpu().double(), truth, rtol=2**-7, atol=1e-2)
+
+
 def test_layer_schedule_snapshots_every_third_layer_until_the_buffer_is_full():
     sites = layer.schedule(24, 9)
     assert len(sites) == 48

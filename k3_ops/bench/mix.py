@@ -3,7 +3,8 @@
 Each (layout, T, K) call on a preallocated buffer (NaN in slots >= K), timed per call with the run's main method
 (CUDA-graph replay on a GPU); "of BW" = bytes the call must move ((K + 1) rows read, one written, per token) /
 time / the same run's copy bandwidth. Reference columns (token-major only): the eager FP32 formula
-(``k3_ops.reference.attn_res_reference``) and, on a GPU, ``torch.compile`` of it.
+(``k3_ops.reference.attn_res_reference``) and, on a GPU, ``torch.compile`` of it and the measured floor under the
+call (``k3_ops.bench.floor``).
 """
 from __future__ import annotations
 
@@ -25,10 +26,14 @@ DEFAULTS = {
 
 def reference_impls(device: torch.device) -> dict:
     """The formulas a kernel is compared with: eager FP32 PyTorch, and torch.compile of it on a GPU (on a CPU
-    that would time Inductor's CPU code, which no deployment of this op runs)."""
+    that would time Inductor's CPU code, which no deployment of this op runs); on a GPU also the floor under the
+    call (``floor.mix_floor``: its rows read, one reduction per row, its output written)."""
     refs = {"eager": reference.attn_res_reference}
     if device.type == "cuda":
+        from .floor import mix_floor
+
         refs["compile"] = torch.compile(reference.attn_res_reference)
+        refs["floor"] = mix_floor
     return refs
 
 

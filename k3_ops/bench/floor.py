@@ -1,0 +1,98 @@
+"""The measured floor under a serving call: the ``floor`` column of the mix and fused sections (CUDA only).
+
+A Triton kernel that does only what no design of the op can skip, in the op's dependency order and with its PDL
+launch: read every row the call reads (the prefix, the addend, the K candidate rows), store what the call stores
+(the new prefix, the snapshot, one output row), and between the loads and the output store make one FP32
+reduction over each row (the scores need a full-row sum before any output element exists) and, with the output
+norm, one more over the mixed row. It has no weights, no scores, no softmax and no exchange between the programs
+of one token: where it splits a token over several programs, each reduces only its own columns. So it is a lower
+bound for the kernels the launch table chooses from (one program per token, tiles of rows, the cluster and
+streaming kernels), timed with the same method in the same run; its output is not the op's.
+
+Geometry: all of a token's rows in one [rows, columns] tile per program (every load in flight at once); 8
+programs per token up to 16 tokens (the cluster kernel's split, where a token's rows through one SM are the
+bound), else as few as keep the tile within 64 FP32 values per thread at 16 warps.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kernels.attn_res_fwd import gdc_launch_dependents_if, gdc_wait_if
+
+__all__ = ["mix_floor", "fused_floor"]
+
+#: Tokens up to which the floor splits a token over SPLIT programs.
+SPLIT_MAX_T = 16
+SPLIT = 8
+_MAX_TILE = 16 * 32 * 64  # 16 warps x 64 values
+
+
+@triton.jit
+def _floor_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix_ptr, stride_pt, stride_at, stride_bt,
+                  stride_bc, H, write_idx, eps, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                  HAS_ADDEND: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    rows = tl.arange(0, ROWS)
+    gdc_wait_if(USE_PDL)
+    gdc_launch_dependents_if(USE_PDL)
+    # Candidate rows 0..K-1 and the prefix in row K of one tile, loaded at once.
+    tile_mask = (rows[:, None] < K) & mask[None, :]
+    x = tl.load(blocks_ptr + t * stride_bt + rows[:, None] * stride_bc + cols[None, :], mask=tile_mask, other=0.0)
+    x = x.to(tl.float32)
+    v = tl.load(prefix_ptr + t * stride_pt + cols, mask=mask, other=0.0)
+    if HAS_ADDEND:
+        a = tl.load(addend_ptr + t * stride_at + cols, mask=mask, other=0.0)
+        v = (v.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(new_prefix_ptr + t * H + cols, v, mask=mask)
+        if write_idx >= 0:
+            tl.store(blocks_ptr + t * stride_bt + write_idx * stride_bc + cols, v, mask=mask)
+    v = v.to(tl.float32)
+    x = tl.where(rows[:, None] == K, v[None, :], x)
+    scale = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)  # one reduction per row
+    y = tl.sum(x * scale[:, None], axis=0)
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(y * y, axis=0) / H + eps)  # the output norm's reduction, after the mix
+    tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _geometry(T: int, K: int, H: int) -> tuple[int, int, int, int]:
+    rows = triton.next_power_of_2(K + 1)
+    programs = SPLIT if T <= SPLIT_MAX_T else 1
+    while rows * triton.next_power_of_2(triton.cdiv(H, programs)) > _MAX_TILE:
+        programs *= 2
+    block = triton.next_power_of_2(triton.cdiv(H, programs))
+    warps = min(16, max(4, rows * block // (32 * 64)))
+    return rows, programs, block, warps
+
+
+def _launch(prefix: torch.Tensor, addend: torch.Tensor | None, blocks: torch.Tensor, K: int, eps: float,
+            write_idx: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from ..backends.cuda import pdl_enabled
+
+    T, H = prefix.shape
+    rows, programs, block, warps = _geometry(T, K, H)
+    out = torch.empty((T, H), dtype=prefix.dtype, device=prefix.device)
+    new_prefix = torch.empty_like(out) if addend is not None else None
+    extra = {"launch_pdl": True} if pdl_enabled(prefix.device) else {}
+    _floor_kernel[(T, programs)](
+        prefix, addend if addend is not None else prefix, blocks, out, new_prefix if new_prefix is not None else out,
+        prefix.stride(0), (addend if addend is not None else prefix).stride(0), blocks.stride(0), blocks.stride(1),
+        H, write_idx, eps, K=K, ROWS=rows, BLOCK=block, HAS_ADDEND=addend is not None, NORM=norm,
+        USE_PDL=bool(extra), num_warps=warps, num_stages=1, **extra)
+    return out, new_prefix
+
+
+def mix_floor(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps):
+    """The floor under ``attn_res`` at this call's shape (same arguments; the output is not the op's)."""
+    return _launch(prefix_sum, None, block_residual, int(num_valid_blocks), float(eps), -1, False)[0]
+
+
+def fused_floor(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
+    """The floor under ``fused_attn_res`` at this call's shape (same arguments; the outputs are not the op's)."""
+    return _launch(prefix_sum, addend, block_residual, int(num_valid_blocks), float(eps), int(block_write_idx),
+                   out_norm_weight is not None)
