@@ -173,6 +173,21 @@ def test_floor_kernel_reads_every_row_and_stores_what_the_call_stores(device, T,
     torch.testing.assert_close(mix.cpu().double(), truth, rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+def test_gpu_sections_time_the_floor_beside_the_calls_and_train_only_differentiable_references():
+    """On a GPU the mix and fused sections carry the floor column, and the train section (which steps every
+    reference through autograd) does not take the floor, which has no backward."""
+    opts = Options(device="cuda", hidden=256, tokens=[4], blocks=[2], rep_ms=0.5, quick=True, progress=False)
+    timer = Timer("cuda", rep_ms=0.5, quick=True)
+    for section in (mix, fused):
+        res = section.run(opts, timer)
+        row = next(r for r in res["rows"] if r["layout"] == "token")
+        assert _positive(row["us:floor"]) and _positive(row["us:k3_ops"])
+        assert res["notes"] == []
+    res = train.run(opts, timer)
+    assert {k.split(":")[1] for k in res["rows"][0] if k.startswith("us:")} == {"k3_ops", "eager", "compile"}
+
+
 def test_layer_schedule_snapshots_every_third_layer_until_the_buffer_is_full():
     sites = layer.schedule(24, 9)
     assert len(sites) == 48

@@ -26,14 +26,11 @@ DEFAULTS = {
 
 def reference_impls(device: torch.device) -> dict:
     """The formulas a kernel is compared with: eager FP32 PyTorch, and torch.compile of it on a GPU (on a CPU
-    that would time Inductor's CPU code, which no deployment of this op runs); on a GPU also the floor under the
-    call (``floor.mix_floor``: its rows read, one reduction per row, its output written)."""
+    that would time Inductor's CPU code, which no deployment of this op runs). Differentiable (the train section
+    takes its steps from them)."""
     refs = {"eager": reference.attn_res_reference}
     if device.type == "cuda":
-        from .floor import mix_floor
-
         refs["compile"] = torch.compile(reference.attn_res_reference)
-        refs["floor"] = mix_floor
     return refs
 
 
@@ -46,7 +43,12 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
     timer = timer or Timer(device, opts.rep_ms, quick=opts.quick)
     ops = {"k3_ops": k3_ops_ops()} if ops is None else ops
     kernels = {n: o.attn_res for n, o in ops.items() if o.attn_res is not None}
-    refs = (reference_impls(device) if opts.refs else {}) if refs is None else refs
+    if refs is None:
+        refs = reference_impls(device) if opts.refs else {}
+        if opts.refs and device.type == "cuda":
+            from .floor import mix_floor
+
+            refs["floor"] = mix_floor  # the floor under the call (bench.floor): not a formula of the op
     H, cap = opts.pick(DEFAULTS, "hidden"), opts.pick(DEFAULTS, "capacity")
     tokens, ks = opts.pick(DEFAULTS, "tokens"), opts.pick(DEFAULTS, "blocks")
     layouts = opts.pick(DEFAULTS, "layouts")
