@@ -6,8 +6,10 @@ The one-tile kernel (here only, not a library path): one program per token holdi
 ONE two-operand reduction, the softmax over the tile's rows in registers and the mix summed over them: one
 cross-warp reduction round per call, where the table's per-token kernel runs its tile loop and then the prefix
 candidate's own statistics. Variants: 8 or 16 warps, and the folded weight loaded before ``gdc_wait`` (what a
-kernel may do only where no kernel just before it writes the weights: serving, not a training step). The floor
-kernel (``k3_ops.bench.floor``) is timed with its own geometry and with one program per token at every T.
+kernel may do only where no kernel just before it writes the weights: serving, not a training step). The fused
+call (addend, new_prefix, snapshot, the output norm of the rounded mix) is the same kernel with its epilogue. The
+floor kernel (``k3_ops.bench.floor``) is timed with its own geometry and, plain, with one program per token at
+every T.
 Each variant's error against the float64 truth is printed beside the eager FP32 formula's (the 1.25x contract).
 
 Usage, on the GPU machine: python tools/decode_probe.py [--out DIR]
@@ -26,7 +28,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3_ops import reference  # noqa: E402
 from k3_ops.backends.cuda import pdl_enabled  # noqa: E402
-from k3_ops.bench import floor, mix  # noqa: E402
+from k3_ops.bench import floor, fused, mix  # noqa: E402
 from k3_ops.bench.common import Ops, Options, k3_ops_ops  # noqa: E402
 from k3_ops.kernels.attn_res_fwd import gdc_launch_dependents_if, gdc_wait_if  # noqa: E402
 from k3_ops.testing import error_stats  # noqa: E402
@@ -39,7 +41,9 @@ def _add2(a0, b0, a1, b1):
 
 @triton.jit
 def _one_tile_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, K, H, eps, stride_pt, stride_bt, stride_bc,
-                     ROWS: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr):
+                     addend_ptr, newp_ptr, onw_ptr, write_idx, out_eps,
+                     ROWS: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr,
+                     FUSED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -55,25 +59,49 @@ def _one_tile_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, K, H, eps,
     x = tl.load(blocks_ptr + t * stride_bt + r[:, None] * stride_bc + cols[None, :],
                 mask=(r[:, None] < K) & hmask[None, :], other=0.0)
     v = tl.load(prefix_ptr + t * stride_pt + cols, mask=hmask, other=0.0)
+    if FUSED:
+        g = tl.load(onw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+        a = tl.load(addend_ptr + t * H + cols, mask=hmask, other=0.0)
+        v = (v.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(newp_ptr + t * H + cols, v, mask=hmask)
+        if write_idx >= 0:
+            tl.store(blocks_ptr + t * stride_bt + write_idx * stride_bc + cols, v, mask=hmask)
     x = tl.where(r[:, None] == K, v[None, :], x).to(tl.float32)
     ss, d = tl.reduce((x * x, x * w[None, :]), 1, _add2)
     s = tl.where(r <= K, tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps)) * d, -float("inf"))
     p = tl.exp(s - tl.max(s, axis=0))
     y = tl.sum(p[:, None] * x, axis=0) / tl.sum(p, axis=0)
+    if FUSED:
+        # The output norm of the dtype-rounded mix (round_mix=True), its rsqrt correctly rounded.
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = y * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(y * y, axis=0) / H + out_eps)) * g
     tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
-def one_tile(warps: int, early_w: bool = False):
-    def call(prefix, blocks, nw, pw, K, eps):
-        T, H = prefix.shape
-        out = torch.empty_like(prefix)
-        extra = {"launch_pdl": True} if pdl_enabled(prefix.device) else {}
-        _one_tile_kernel[(T,)](prefix, blocks, nw, pw, out, K, H, eps, prefix.stride(0), blocks.stride(0),
-                               blocks.stride(1), ROWS=triton.next_power_of_2(K + 1),
-                               BLOCK_H=triton.next_power_of_2(H), USE_PDL=bool(extra), EARLY_W=early_w,
-                               num_warps=warps, num_stages=1, **extra)
-        return out
-    return call
+def _launch_one_tile(warps, early_w, prefix, blocks, nw, pw, K, eps, addend=None, write_idx=-1, onw=None,
+                     out_eps=None):
+    T, H = prefix.shape
+    out = torch.empty_like(prefix)
+    fused = addend is not None
+    new_prefix = torch.empty_like(prefix) if fused else out
+    extra = {"launch_pdl": True} if pdl_enabled(prefix.device) else {}
+    _one_tile_kernel[(T,)](prefix, blocks, nw, pw, out, K, H, eps, prefix.stride(0), blocks.stride(0),
+                           blocks.stride(1), addend if fused else prefix, new_prefix, onw if fused else nw,
+                           write_idx, eps if out_eps is None else out_eps, ROWS=triton.next_power_of_2(K + 1),
+                           BLOCK_H=triton.next_power_of_2(H), USE_PDL=bool(extra), EARLY_W=early_w, FUSED=fused,
+                           num_warps=warps, num_stages=1, **extra)
+    return (out, new_prefix) if fused else out
+
+
+def one_tile(warps: int, early_w: bool = False) -> Ops:
+    """The one-tile kernel's plain and fused calls (the fused call: addend, new_prefix, snapshot, output norm)."""
+    def plain(prefix, blocks, nw, pw, K, eps):
+        return _launch_one_tile(warps, early_w, prefix, blocks, nw, pw, K, eps)
+
+    def fused(prefix, addend, blocks, nw, pw, K, eps, write_idx=-1, onw=None, out_eps=None):
+        return _launch_one_tile(warps, early_w, prefix, blocks, nw, pw, K, eps, addend, write_idx, onw, out_eps)
+
+    return Ops(attn_res=plain, fused=fused)
 
 
 def floor_one_program(prefix, blocks, nw, pw, K, eps):
@@ -88,10 +116,10 @@ def floor_one_program(prefix, blocks, nw, pw, K, eps):
 
 VARIANTS = {
     "table": k3_ops_ops(),
-    "tile_w8": Ops(attn_res=one_tile(8)),
-    "tile_w16": Ops(attn_res=one_tile(16)),
-    "tile_w8_early_w": Ops(attn_res=one_tile(8, early_w=True)),
-    "floor": Ops(attn_res=floor.mix_floor),
+    "tile_w8": one_tile(8),
+    "tile_w16": one_tile(16),
+    "tile_w8_early_w": one_tile(8, early_w=True),
+    "floor": Ops(attn_res=floor.mix_floor, fused=floor.fused_floor),
     "floor_1prog": Ops(attn_res=floor_one_program),
 }
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -114,6 +142,18 @@ def accuracy(device: torch.device) -> list[dict]:
                          *((n, VARIANTS[n].attn_res) for n in VARIANTS if n.startswith("tile"))):
             e = error_stats(fn(*args), truth)
             row[name] = [e.max_abs, e.mean_abs]
+        # The fused call: new_prefix against torch's add (bits), out against torch's RMSNorm of the table's mix.
+        addend = torch.randn(T, 7168, generator=g).to(device, torch.bfloat16)
+        onw = (1 + 0.1 * torch.randn(7168, generator=g)).to(device, torch.bfloat16)
+        new_prefix = args[0] + addend
+        want = torch.nn.functional.rms_norm(VARIANTS["table"].attn_res(new_prefix, *args[1:]).float(), (7168,),
+                                            onw.float(), 1e-6).to(torch.bfloat16)
+        for n in VARIANTS:
+            if n.startswith("tile"):
+                blocks_copy = args[1].clone()
+                out, newp = VARIANTS[n].fused(args[0], addend, blocks_copy, *args[2:], K, onw, 1e-6)
+                row[f"{n}_fused"] = [bool(torch.equal(newp, new_prefix)), bool(torch.equal(blocks_copy[:, K], newp)),
+                                     (out.float() - want.float()).abs().max().item()]
         rows.append(row)
         print("accuracy", row, flush=True)
     return rows
@@ -128,11 +168,15 @@ def main() -> None:
     acc = accuracy(device)
     result = mix.run(Options(refs=False, rep_ms=10, layouts=["token"], tokens=TOKENS, blocks=BLOCKS), ops=VARIANTS)
     result["accuracy"] = acc
-    with open(os.path.join(args.out, "decode_probe_mix.json"), "w") as f:
-        json.dump(result, f, default=str)
-    for row in result["rows"]:
-        print(f"T={row['T']} K={row['K']} " + " ".join(f"{k[3:]}={v:.2f}" for k, v in row.items()
-                                                         if k.startswith("us:")), flush=True)
+    fused_ops = {n: o for n, o in VARIANTS.items() if o.fused is not None}
+    fused_result = fused.run(Options(refs=False, rep_ms=10, layouts=["token"], tokens=TOKENS, blocks=BLOCKS),
+                             ops=fused_ops)
+    for section, res in (("mix", result), ("fused", fused_result)):
+        with open(os.path.join(args.out, f"decode_probe_{section}.json"), "w") as f:
+            json.dump(res, f, default=str)
+        for row in res["rows"]:
+            print(f"{section} T={row['T']} K={row['K']} " + " ".join(f"{k[3:]}={v:.2f}" for k, v in row.items()
+                                                                    if k.startswith("us:")), flush=True)
 
 
 if __name__ == "__main__":
