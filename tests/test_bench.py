@@ -234,6 +234,19 @@ def test_train_section(timer):
         assert r["bytes"] == r["T"] * 32 * 2 * ((2 + 1) + 1 + (8 + 1))  # capacity 8: the training default
 
 
+def test_train_section_notes_a_reference_that_fails_and_times_the_rest(timer):
+    """A reference formula that raises (torch.compile's Inductor has, on some torch builds) costs its own cells
+    and a note, not the run: the op and the other references are still timed."""
+    def broken(*args):
+        raise AssertionError("inductor tiling\nsecond line")
+
+    res = train.run(Options(tokens=[3], blocks=[2], **TINY), timer,
+                    refs={"eager": reference.attn_res_reference, "broken": broken})
+    row = res["rows"][0]
+    assert _positive(row["us:k3_ops"]) and _positive(row["us:eager"]) and math.isnan(row["us:broken"])
+    assert res["notes"] == ["broken failed at token-major T=3 K=2: AssertionError: inductor tiling"]
+
+
 def test_step_fn_returns_the_gradients_of_all_four_inputs():
     p = common.Problem(3, 4, 16, torch.float32, torch.device("cpu"), "token")
     p.poison(2)
