@@ -2,7 +2,8 @@
 bench's floor kernel, in one run (H200 data in docs/benchmarks.md, "Where the remaining gap goes").
 
 The one-tile kernel (here only, not a library path): one program per token holding all K + 1 candidates in one
-[ROWS, BLOCK_H] tile (the prefix in row K), the folded weight loaded with them, both statistics of every row in
+[ROWS, BLOCK_H] tile (the prefix in row K; or, "apart", a tile of the K block rows and the prefix row beside it,
+two reduction rounds), the folded weight loaded with them, both statistics of every row in
 ONE two-operand reduction, the softmax over the tile's rows in registers and the mix summed over them: one
 cross-warp reduction round per call, where the table's per-token kernel runs its tile loop and then the prefix
 candidate's own statistics. Variants: 8 or 16 warps, and the folded weight loaded before ``gdc_wait`` (what a
@@ -28,7 +29,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3_ops import reference  # noqa: E402
 from k3_ops.backends.cuda import pdl_enabled  # noqa: E402
-from k3_ops.bench import floor, fused, mix  # noqa: E402
+from k3_ops.bench import floor, fused, layer, mix  # noqa: E402
 from k3_ops.bench.common import Ops, Options, k3_ops_ops  # noqa: E402
 from k3_ops.kernels.attn_res_fwd import gdc_launch_dependents_if, gdc_wait_if  # noqa: E402
 from k3_ops.testing import error_stats  # noqa: E402
@@ -43,7 +44,7 @@ def _add2(a0, b0, a1, b1):
 def _one_tile_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, K, H, eps, stride_pt, stride_bt, stride_bc,
                      addend_ptr, newp_ptr, onw_ptr, write_idx, out_eps,
                      ROWS: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr,
-                     FUSED: tl.constexpr):
+                     FUSED: tl.constexpr, PREFIX_APART: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -66,11 +67,24 @@ def _one_tile_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, K, H, eps,
         tl.store(newp_ptr + t * H + cols, v, mask=hmask)
         if write_idx >= 0:
             tl.store(blocks_ptr + t * stride_bt + write_idx * stride_bc + cols, v, mask=hmask)
-    x = tl.where(r[:, None] == K, v[None, :], x).to(tl.float32)
-    ss, d = tl.reduce((x * x, x * w[None, :]), 1, _add2)
-    s = tl.where(r <= K, tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps)) * d, -float("inf"))
-    p = tl.exp(s - tl.max(s, axis=0))
-    y = tl.sum(p[:, None] * x, axis=0) / tl.sum(p, axis=0)
+    if PREFIX_APART:
+        # The K block rows in the tile (ROWS >= K, no padding row for the prefix), the prefix as its own row.
+        x = x.to(tl.float32)
+        vf = v.to(tl.float32)
+        ss, d = tl.reduce((x * x, x * w[None, :]), 1, _add2)
+        ssp, dp = tl.reduce((vf * vf, vf * w), 0, _add2)
+        s = tl.where(r < K, tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps)) * d, -float("inf"))
+        sp = tl.div_rn(1.0, tl.sqrt_rn(ssp / H + eps)) * dp
+        m = tl.maximum(tl.max(s, axis=0), sp)
+        p = tl.exp(s - m)
+        pp = tl.exp(sp - m)
+        y = (tl.sum(p[:, None] * x, axis=0) + pp * vf) / (tl.sum(p, axis=0) + pp)
+    else:
+        x = tl.where(r[:, None] == K, v[None, :], x).to(tl.float32)
+        ss, d = tl.reduce((x * x, x * w[None, :]), 1, _add2)
+        s = tl.where(r <= K, tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps)) * d, -float("inf"))
+        p = tl.exp(s - tl.max(s, axis=0))
+        y = tl.sum(p[:, None] * x, axis=0) / tl.sum(p, axis=0)
     if FUSED:
         # The output norm of the dtype-rounded mix (round_mix=True), its rsqrt correctly rounded.
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -78,28 +92,31 @@ def _one_tile_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, K, H, eps,
     tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
-def _launch_one_tile(warps, early_w, prefix, blocks, nw, pw, K, eps, addend=None, write_idx=-1, onw=None,
+def _launch_one_tile(warps, early_w, apart, prefix, blocks, nw, pw, K, eps, addend=None, write_idx=-1, onw=None,
                      out_eps=None):
     T, H = prefix.shape
     out = torch.empty_like(prefix)
     fused = addend is not None
     new_prefix = torch.empty_like(prefix) if fused else out
     extra = {"launch_pdl": True} if pdl_enabled(prefix.device) else {}
+    rows = triton.next_power_of_2(max(K, 1) if apart else K + 1)
     _one_tile_kernel[(T,)](prefix, blocks, nw, pw, out, K, H, eps, prefix.stride(0), blocks.stride(0),
                            blocks.stride(1), addend if fused else prefix, new_prefix, onw if fused else nw,
-                           write_idx, eps if out_eps is None else out_eps, ROWS=triton.next_power_of_2(K + 1),
+                           write_idx, eps if out_eps is None else out_eps, ROWS=rows,
                            BLOCK_H=triton.next_power_of_2(H), USE_PDL=bool(extra), EARLY_W=early_w, FUSED=fused,
-                           num_warps=warps, num_stages=1, **extra)
+                           PREFIX_APART=apart, num_warps=warps, num_stages=1, **extra)
     return (out, new_prefix) if fused else out
 
 
-def one_tile(warps: int, early_w: bool = False) -> Ops:
-    """The one-tile kernel's plain and fused calls (the fused call: addend, new_prefix, snapshot, output norm)."""
+def one_tile(warps: int, early_w: bool = False, apart: bool = False) -> Ops:
+    """The one-tile kernel's plain and fused calls (the fused call: addend, new_prefix, snapshot, output norm);
+    ``apart``: the prefix as its own row beside a tile of the K block rows."""
     def plain(prefix, blocks, nw, pw, K, eps):
-        return _launch_one_tile(warps, early_w, prefix, blocks, nw, pw, K, eps)
+        return _launch_one_tile(warps, early_w, apart, prefix, blocks, nw, pw, K, eps)
 
     def fused(prefix, addend, blocks, nw, pw, K, eps, write_idx=-1, onw=None, out_eps=None):
-        return _launch_one_tile(warps, early_w, prefix, blocks, nw, pw, K, eps, addend, write_idx, onw, out_eps)
+        return _launch_one_tile(warps, early_w, apart, prefix, blocks, nw, pw, K, eps, addend, write_idx, onw,
+                                out_eps)
 
     return Ops(attn_res=plain, fused=fused)
 
@@ -119,11 +136,29 @@ VARIANTS = {
     "tile_w8": one_tile(8),
     "tile_w16": one_tile(16),
     "tile_w8_early_w": one_tile(8, early_w=True),
+    "apart_w8": one_tile(8, apart=True),
+    "apart_w16": one_tile(16, apart=True),
     "floor": Ops(attn_res=floor.mix_floor, fused=floor.fused_floor),
     "floor_1prog": Ops(attn_res=floor_one_program),
 }
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 BLOCKS = [1, 2, 3, 4]
+
+
+def _layer_variant() -> Ops:
+    """The table with the one-tile kernel's fused call where it won in the runs of this probe: K = 0, 1 (16 warps)
+    and 3 (8 warps) at T <= 256; the plain final mix stays the table's."""
+    table, w16, w8 = VARIANTS["table"], one_tile(16), one_tile(8)
+
+    def fused_call(prefix, addend, blocks, nw, pw, K, *rest):
+        T = prefix.shape[0]
+        if T <= 256 and K in (0, 1):
+            return w16.fused(prefix, addend, blocks, nw, pw, K, *rest)
+        if T <= 256 and K == 3:
+            return w8.fused(prefix, addend, blocks, nw, pw, K, *rest)
+        return table.fused(prefix, addend, blocks, nw, pw, K, *rest)
+
+    return Ops(attn_res=table.attn_res, fused=fused_call)
 
 
 def accuracy(device: torch.device) -> list[dict]:
@@ -171,12 +206,14 @@ def main() -> None:
     fused_ops = {n: o for n, o in VARIANTS.items() if o.fused is not None}
     fused_result = fused.run(Options(refs=False, rep_ms=10, layouts=["token"], tokens=TOKENS, blocks=BLOCKS),
                              ops=fused_ops)
-    for section, res in (("mix", result), ("fused", fused_result)):
+    layer_result = layer.run(Options(refs=False, rep_ms=10), ops={"table": VARIANTS["table"],
+                                                                  "tile_k013": _layer_variant()})
+    for section, res in (("mix", result), ("fused", fused_result), ("layer", layer_result)):
         with open(os.path.join(args.out, f"decode_probe_{section}.json"), "w") as f:
             json.dump(res, f, default=str)
         for row in res["rows"]:
-            print(f"{section} T={row['T']} K={row['K']} " + " ".join(f"{k[3:]}={v:.2f}" for k, v in row.items()
-                                                                    if k.startswith("us:")), flush=True)
+            times = " ".join(f"{k[3:]}={v:.2f}" for k, v in row.items() if k.startswith("us:"))
+            print(f"{section} T={row['T']} K={row.get('K', row.get('K_final'))} {times}", flush=True)
 
 
 if __name__ == "__main__":
