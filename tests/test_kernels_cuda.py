@@ -88,6 +88,7 @@ PATHS = {
     "token": dict(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1),  # the decode default, PDL on
     "token-1row-nopdl": dict(kernel="token", rows_per_tile=1, num_stages=1, pdl=False),
     "token-8row": dict(kernel="token", rows_per_tile=8, num_warps=16, num_stages=1),
+    "token-onetile": dict(kernel="token", rows_per_tile=0, num_warps=8),  # every block row in one tile
     "rows": dict(kernel="rows"),  # rows held in registers, one prefetched
     "rows-pipelined": dict(kernel="rows", prefetch=0, num_stages=4),  # cp.async stages in shared memory
     "rows-pipelined-8w": dict(kernel="rows", prefetch=0, num_stages=8, num_warps=8, ctas_per_sm=1),

@@ -49,6 +49,8 @@ def cuda_config(path: str | None):
 
     if path == "rows-pipelined":  # the large-T default: rows staged through shared memory (prefetch 0)
         return {"config": LaunchConfig(kernel="rows", prefetch=0, num_stages=3)}
+    if path == "token-onetile":  # every block row in one tile, the prefix beside it (rows_per_tile 0)
+        return {"config": LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8)}
     if path.startswith("token-"):  # the decode kernel with 1- or 8-row tiles (the default is 4)
         return {"config": LaunchConfig(kernel="token", rows_per_tile=int(path[6:-3]), num_stages=1)}
     return {"config": LaunchConfig(kernel=path, prefetch=1) if path == "rows" else LaunchConfig(kernel=path)}
@@ -133,7 +135,8 @@ FORCED = [
 
 
 @pytest.mark.parametrize("sample", [pytest.param(s, id=s.id) for s in FORCED])
-@pytest.mark.parametrize("path", ["token", "token-1row", "token-8row", "rows", "rows-pipelined", "split"])
+@pytest.mark.parametrize("path", ["token", "token-1row", "token-8row", "token-onetile", "rows", "rows-pipelined",
+                                  "split"])
 def test_cuda_paths_forced(path, sample):
     args = sample.make(seed=1)
     check_contract(run_policy("cuda", args, **cuda_config(path)), args, f"cuda-{path}:{sample.id}")
@@ -179,7 +182,7 @@ def test_fp64_routes_to_reference(policy):
 
 
 @pytest.mark.parametrize("policy", ["cuda"] + NPU_POLICIES[1:])
-@pytest.mark.parametrize("path", [None, "rows"])
+@pytest.mark.parametrize("path", [None, "rows", "token-onetile"])
 def test_non_unit_hidden_stride(policy, path):
     # Views whose hidden dimension steps by 2 and 3 elements: the H_STRIDED variant must read them in place.
     if policy.startswith("npu") and path is not None:
@@ -238,8 +241,22 @@ def test_cuda_launch_table_overrides():
         assert cuda.choose_config(T, K, 7168, torch.device("cpu")).kernel == "rows"
     assert cuda.LAUNCH_TABLE[(2048, 8)].kernel == "rows" and cuda.LAUNCH_TABLE[(4096, 4)].kernel == "rows"
     assert cuda.LAUNCH_TABLE[(1 << 62, 2)].kernel == "rows"
-    with pytest.raises(ValueError, match=r"LaunchConfig.rows_per_tile must be a power of two >= 1, got 3"):
+    with pytest.raises(ValueError, match=r"LaunchConfig.rows_per_tile must be a power of two >= 1, or 0 for one "
+                                         r"tile, got 3"):
         cuda.LaunchConfig(kernel="token", rows_per_tile=3)
+    with pytest.raises(ValueError, match=r"LaunchConfig.rows_per_tile 0 \(one tile\) is the token path's only, got "
+                                         r"kernel 'rows'"):
+        cuda.LaunchConfig(kernel="rows", rows_per_tile=0)
+    # One tile: next_pow2(K) rows for the call's K (K = 0: one masked row), no pipelining.
+    one = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, num_stages=3)
+    for K, rows in ((0, 1), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)):
+        plan = cuda.choose_config(5, K, 7168, torch.device("cpu"), one)
+        assert (plan.kernel, plan.rows_per_tile, plan.one_tile, plan.num_stages) == ("token", rows, True, 1), K
+    # A tile past ONE_TILE_MAX_ELEMENTS would only spill: 4-row tiles (the narrow rows of H = 40 still fit 16).
+    plan = cuda.choose_config(5, 9, 7168, torch.device("cpu"), one)
+    assert (plan.rows_per_tile, plan.one_tile, plan.num_stages) == (4, False, 3)
+    assert cuda.choose_config(5, 15, 40, torch.device("cpu"), one).rows_per_tile == 16
+    assert not cuda.choose_config(5, 3, 7168, torch.device("cpu")).one_tile  # not a table entry
     with pytest.raises(ValueError, match=r"LaunchConfig.chunk must be a power of two >= 16, got 100"):
         cuda.LaunchConfig(kernel="split", chunk=100)
     with pytest.raises(ValueError, match=r"must come from T_BUCKETS"):

@@ -183,7 +183,9 @@ class LaunchConfig:
 
     kernel: "token", "rows", "split", "tiles", "cluster" or "stream".
     num_warps: warps per program; None derives it from the tile size.
-    rows_per_tile: token path only, block rows per [ROWS, BLOCK_H] tile (a power of two).
+    rows_per_tile: token path only, block rows per [ROWS, BLOCK_H] tile (a power of two), or 0: one tile holding
+        every block row of the call (next_pow2(K) rows) with the prefix row beside it, no loop (``ONE_TILE``), where
+        that tile is at most ``ONE_TILE_MAX_ELEMENTS`` (else 4-row tiles).
     num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads (each stage
         past the first holds a tile in shared memory: (num_stages - 1) x rows_per_tile x next_pow2(H) x itemsize
         bytes on the token path, which must fit the device's opt-in, 227 KB on an H200).
@@ -227,8 +229,12 @@ class LaunchConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"LaunchConfig.{name} must be a power of two >= 16, got {v}")
-        if self.rows_per_tile < 1 or self.rows_per_tile & (self.rows_per_tile - 1):
-            raise ValueError(f"LaunchConfig.rows_per_tile must be a power of two >= 1, got {self.rows_per_tile}")
+        if self.rows_per_tile == 0 and self.kernel != "token":
+            raise ValueError(f"LaunchConfig.rows_per_tile 0 (one tile) is the token path's only, got kernel "
+                             f"{self.kernel!r}")
+        if self.rows_per_tile < 0 or self.rows_per_tile & (self.rows_per_tile - 1):
+            raise ValueError("LaunchConfig.rows_per_tile must be a power of two >= 1, or 0 for one tile, got "
+                             f"{self.rows_per_tile}")
         for name in ("ctas_per_sm", "tokens_per_prog", "num_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LaunchConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -238,6 +244,8 @@ T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 62)
 K_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 1 << 62)
 #: Split path only while K + 1 fits the [K_PAD, chunk] register tile.
 SPLIT_MAX_CANDIDATES = 16
+#: The largest tile (rows x next_pow2(H)) a one-tile token plan holds (rows_per_tile 0); larger K take 4-row tiles.
+ONE_TILE_MAX_ELEMENTS = 8 * 8192
 #: The token path is the default up to this many tokens, the rows path above (docs/benchmarks.md, "Plain mix")...
 TOKEN_MAX_T = 256
 #: ... except for K = 5..8 (the K bucket 8), which keeps the token path up to this many tokens.
@@ -345,6 +353,7 @@ class _Plan:
     num_warps: int
     block_h: int = 0  # token, rows
     rows_per_tile: int = 0  # token
+    one_tile: bool = False  # token: every block row in one tile of rows_per_tile rows
     pdl: bool = False  # token, rows
     tokens_per_prog: int = 1  # tiles
     ctas_per_sm: int = 0  # rows
@@ -436,8 +445,13 @@ def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Pla
         return _Plan(config.kernel, 0, pdl=pdl, cluster_size=cluster_size, fallback=fallback)
     if config.kernel == "token":
         pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
-        return _Plan("token", config.num_warps or _rows_warps(block_h), block_h=block_h,
-                     rows_per_tile=config.rows_per_tile, pdl=pdl, num_stages=config.num_stages,
+        rows, one_tile = config.rows_per_tile, config.rows_per_tile == 0
+        if one_tile:
+            rows = next_power_of_2(max(K, 1))
+            if rows * block_h > ONE_TILE_MAX_ELEMENTS:  # a tile that large only spills: 4-row tiles instead
+                rows, one_tile = 4, False
+        return _Plan("token", config.num_warps or _rows_warps(block_h), block_h=block_h, rows_per_tile=rows,
+                     one_tile=one_tile, pdl=pdl, num_stages=1 if one_tile else config.num_stages,
                      maxnreg=config.maxnreg)
     if config.kernel == "split":
         k_pad = next_power_of_2(K + 1)
@@ -523,7 +537,8 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
             ahead = (flags.get("OUT_NORM", False) and not flags.get("FP8_OUT", False) and plan.rows_per_tile <= 2
                      and plan.num_warps >= 8)
             return dict(BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile, NUM_STAGES=plan.num_stages,
-                        USE_PDL=plan.pdl, **common, **({"ONW_AHEAD": True} if ahead else {}))
+                        USE_PDL=plan.pdl, **common, **({"ONW_AHEAD": True} if ahead else {}),
+                        **({"ONE_TILE": True} if plan.one_tile else {}))
         if plan.kernel == "rows":
             return dict(BLOCK_H=plan.block_h, PREFETCH=plan.prefetch, NUM_STAGES=plan.num_stages,
                         USE_PDL=plan.pdl, **common)

@@ -54,6 +54,11 @@ from .attn_res_fwd import (
 )
 
 
+@triton.jit
+def _sum_pair(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS + _FUSED_INTS)
 def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H, eps,
                           stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_ot,
@@ -64,7 +69,8 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                           SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False, scale_ptr=None,
                           INPLACE_PREFIX: tl.constexpr = False, NORM_FP32_MIX: tl.constexpr = False,
                           FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False,
-                          FP8_MAX: tl.constexpr = 448.0, ONW_AHEAD: tl.constexpr = False):
+                          FP8_MAX: tl.constexpr = 448.0, ONW_AHEAD: tl.constexpr = False,
+                          ONE_TILE: tl.constexpr = False):
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -78,27 +84,49 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
     if HAS_ADDEND:
         v = _add_addend(v, addend_ptr, t, cols, hmask, stride_at, stride_ah, VEC, H_STRIDED)
     r = tl.arange(0, ROWS)
-    m = _acc_full([], -float("inf"), ACC64)
-    l_sum = _acc_full([], 0.0, ACC64)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.range(0, tl.cdiv(K, ROWS), num_stages=NUM_STAGES):
-        i = j * ROWS + r
-        # Rows >= K are masked lanes: never addressed, so NaN-filled capacity is never read.
-        rmask = tl.where(hmask[None, :], (i < K)[:, None], False)
-        x = tl.load(_block_row_ptrs(blocks_ptr, t, i[:, None], cols[None, :], stride_bt, stride_bc, stride_bh, VEC,
+    if ONE_TILE:
+        # Every block row in one tile (the policy makes ROWS >= K) and the prefix row beside it: no loop, no
+        # online rescale, both statistics of each in one two-operand reduction (tools/decode_probe.py).
+        rmask = tl.where(hmask[None, :], (r < K)[:, None], False)
+        x = tl.load(_block_row_ptrs(blocks_ptr, t, r[:, None], cols[None, :], stride_bt, stride_bc, stride_bh, VEC,
                                     H_STRIDED), mask=rmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        # The online softmax of _online_update, for ROWS rows at once (one cross-warp reduction per tile).
-        ss, d = _stats(x, w[None, :], 1, ACC64)
-        s = tl.where(i < K, _score(ss, d, H, eps, ACC64), -float("inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
-        acc = acc * alpha.to(tl.float32) + tl.sum(p.to(tl.float32)[:, None] * x, axis=0)
-        l_sum = l_sum * alpha + tl.sum(p, axis=0)
-        m = m_new
-    # The prefix candidate, last.
-    m, l_sum, acc = _online_update(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64)
-    mix = acc / l_sum.to(tl.float32)
+        vf = v.to(tl.float32)
+        if ACC64:
+            ss, d = _stats(x, w[None, :], 1, ACC64)
+            ss_v, d_v = _stats(vf, w, 0, ACC64)
+        else:
+            ss, d = tl.reduce((x * x, x * w[None, :]), 1, _sum_pair)
+            ss_v, d_v = tl.reduce((vf * vf, vf * w), 0, _sum_pair)
+        s = tl.where(r < K, _score(ss, d, H, eps, ACC64), -float("inf"))
+        s_v = _score(ss_v, d_v, H, eps, ACC64)
+        m = tl.maximum(tl.max(s, axis=0), s_v)
+        p = tl.exp(s - m)
+        p_v = tl.exp(s_v - m)
+        acc = tl.sum(p.to(tl.float32)[:, None] * x, axis=0) + p_v.to(tl.float32) * vf
+        mix = acc / (tl.sum(p, axis=0) + p_v).to(tl.float32)
+    else:
+        m = _acc_full([], -float("inf"), ACC64)
+        l_sum = _acc_full([], 0.0, ACC64)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.range(0, tl.cdiv(K, ROWS), num_stages=NUM_STAGES):
+            i = j * ROWS + r
+            # Rows >= K are masked lanes: never addressed, so NaN-filled capacity is never read.
+            rmask = tl.where(hmask[None, :], (i < K)[:, None], False)
+            x = tl.load(_block_row_ptrs(blocks_ptr, t, i[:, None], cols[None, :], stride_bt, stride_bc, stride_bh,
+                                        VEC, H_STRIDED), mask=rmask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            # The online softmax of _online_update, for ROWS rows at once (one cross-warp reduction per tile).
+            ss, d = _stats(x, w[None, :], 1, ACC64)
+            s = tl.where(i < K, _score(ss, d, H, eps, ACC64), -float("inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            acc = acc * alpha.to(tl.float32) + tl.sum(p.to(tl.float32)[:, None] * x, axis=0)
+            l_sum = l_sum * alpha + tl.sum(p, axis=0)
+            m = m_new
+        # The prefix candidate, last.
+        m, l_sum, acc = _online_update(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64)
+        mix = acc / l_sum.to(tl.float32)
     if FUSED and ONW_AHEAD:
         # The epilogue below with the output norm's weight already in registers (no FP8 output here).
         _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt, stride_ph,
