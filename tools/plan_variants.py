@@ -18,8 +18,8 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
 - layer_stream: the layer schedule with the streaming kernel at T >= 32.
 - stream_edges: the table (the streaming kernel at K = 5..8 above 2048 tokens, K = 3..4 above 4096) beside the
   rows kernel and the streaming kernel on either side of those edges, T = 2048 and 8192, K = 2, 5, 8.
-- one_tile: the per-token kernel with every block row in one tile and the prefix beside it (rows_per_tile 0),
-  8 or 16 warps, at T <= 256 and K <= 4, plain and fused, T = 1..256, K = 1..4.
+- one_tile: the per-token kernel with every block row in one tile and the prefix beside it (rows_per_tile 0,
+  8 warps) at T <= 256 and K <= 4, plain and fused, T = 1, 16, 64, 256, K = 1..4.
 - layer_one_tile: the layer schedule with that plan at T <= 256 and K <= 4.
 """
 from __future__ import annotations
@@ -81,11 +81,11 @@ def previous_k12(T: int, K: int):
 
 TABLE = variant(lambda T, K, f: None)
 STREAM = cuda.LaunchConfig(kernel="stream")
-ONE_TILE = {w: cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=w) for w in (8, 16)}
+ONE_TILE = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8)
 
 
-def one_tile(warps: int) -> Ops:
-    return variant(lambda T, K, f: ONE_TILE[warps] if T <= 256 and K <= 4 else None)
+def one_tile() -> Ops:
+    return variant(lambda T, K, f: ONE_TILE if T <= 256 and K <= 4 else None)
 
 
 SECTIONS = {
@@ -106,9 +106,9 @@ SECTIONS = {
                dict(tokens=[64, 128, 256, 512, 1024, 4096, 16384], blocks=[1, 4, 8]), (mix, fused)),
     "layer_stream": ({"table": TABLE, "stream": variant(lambda T, K, f: STREAM if T >= 32 else None)},
                      dict(tokens=[1, 8, 64, 512]), (layer,)),
-    "one_tile": ({"table": TABLE, "one_tile_w8": one_tile(8), "one_tile_w16": one_tile(16)},
-                 dict(tokens=[1, 2, 4, 8, 16, 32, 64, 128, 256], blocks=[1, 2, 3, 4]), (mix, fused)),
-    "layer_one_tile": ({"table": TABLE, "one_tile_w8": one_tile(8)}, dict(tokens=[1, 8, 64, 512]), (layer,)),
+    "one_tile": ({"table": TABLE, "one_tile_w8": one_tile()},
+                 dict(tokens=[1, 16, 64, 256], blocks=[1, 2, 3, 4]), (mix, fused)),
+    "layer_one_tile": ({"table": TABLE, "one_tile_w8": one_tile()}, dict(tokens=[1, 8, 64, 512]), (layer,)),
     "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
                       "stream": variant(lambda T, K, f: STREAM)},
                      dict(tokens=[2048, 8192], blocks=[2, 5, 8]), (mix, fused)),
