@@ -185,7 +185,7 @@ class LaunchConfig:
     num_warps: warps per program; None derives it from the tile size.
     rows_per_tile: token path only, block rows per [ROWS, BLOCK_H] tile (a power of two), or 0: one tile holding
         every block row of the call (next_pow2(K) rows) with the prefix row beside it, no loop (``ONE_TILE``), where
-        that tile is at most ``ONE_TILE_MAX_ELEMENTS`` (else 4-row tiles).
+        that tile is at most ``ONE_TILE_MAX_ELEMENTS`` (else 4-row tiles); either way unpipelined.
     num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads (each stage
         past the first holds a tile in shared memory: (num_stages - 1) x rows_per_tile x next_pow2(H) x itemsize
         bytes on the token path, which must fit the device's opt-in, 227 KB on an H200).
@@ -445,14 +445,15 @@ def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Pla
         return _Plan(config.kernel, 0, pdl=pdl, cluster_size=cluster_size, fallback=fallback)
     if config.kernel == "token":
         pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
-        rows, one_tile = config.rows_per_tile, config.rows_per_tile == 0
+        rows, one_tile, stages = config.rows_per_tile, config.rows_per_tile == 0, config.num_stages
         if one_tile:
-            rows = next_power_of_2(max(K, 1))
-            if rows * block_h > ONE_TILE_MAX_ELEMENTS:  # a tile that large only spills: 4-row tiles instead
+            rows, stages = next_power_of_2(max(K, 1)), 1
+            if rows * block_h > ONE_TILE_MAX_ELEMENTS:
+                # A tile that large only spills: the decode default's 4-row tiles, unpipelined (staged fp32 tiles
+                # of 8192 columns would not fit the shared memory).
                 rows, one_tile = 4, False
         return _Plan("token", config.num_warps or _rows_warps(block_h), block_h=block_h, rows_per_tile=rows,
-                     one_tile=one_tile, pdl=pdl, num_stages=1 if one_tile else config.num_stages,
-                     maxnreg=config.maxnreg)
+                     one_tile=one_tile, pdl=pdl, num_stages=stages, maxnreg=config.maxnreg)
     if config.kernel == "split":
         k_pad = next_power_of_2(K + 1)
         chunk = min(config.chunk, block_h)
