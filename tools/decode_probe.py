@@ -18,7 +18,6 @@ Usage, on the GPU machine: python tools/decode_probe.py [--out DIR]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,6 +26,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from plan_variants import save  # noqa: E402  (tools/, this script's directory)
+
 from k3_ops import reference  # noqa: E402
 from k3_ops.backends.cuda import pdl_enabled  # noqa: E402
 from k3_ops.bench import floor, fused, layer, mix  # noqa: E402
@@ -209,11 +210,7 @@ def main() -> None:
     layer_result = layer.run(Options(refs=False, rep_ms=10), ops={"table": VARIANTS["table"],
                                                                   "tile_k013": _layer_variant()})
     for section, res in (("mix", result), ("fused", fused_result), ("layer", layer_result)):
-        with open(os.path.join(args.out, f"decode_probe_{section}.json"), "w") as f:
-            json.dump(res, f, default=str)
-        for row in res["rows"]:
-            times = " ".join(f"{k[3:]}={v:.2f}" for k, v in row.items() if k.startswith("us:"))
-            print(f"{section} T={row['T']} K={row.get('K', row.get('K_final'))} {times}", flush=True)
+        save(res, os.path.join(args.out, f"decode_probe_{section}.json"), section)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,15 @@ SECTIONS = {
 }
 
 
+def save(result: dict, path: str, label: str) -> None:
+    """Write one section's result as JSON and print its rows, one line each: '<label> T= K= <name>=<us> ...'."""
+    with open(path, "w") as f:
+        json.dump(result, f, default=str)
+    for row in result["rows"]:
+        times = " ".join(f"{k[3:]}={v:.2f}" for k, v in row.items() if k.startswith("us:"))
+        print(f"{label} T={row['T']} K={row.get('K', row.get('K_final'))} {times}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)} (default: all)")
@@ -129,11 +138,7 @@ def main() -> None:
         for module in modules:
             result = module.run(Options(refs=False, rep_ms=10, layouts=["token"], **grid), ops=ops)
             section = result["section"]
-            with open(os.path.join(args.out, f"plan_variants_{name}_{section}.json"), "w") as f:
-                json.dump(result, f, default=str)
-            for row in result["rows"]:
-                times = " ".join(f"{k[3:]}={v:.2f}" for k, v in row.items() if k.startswith("us:"))
-                print(f"{name} {section} T={row['T']} K={row.get('K', row.get('K_final'))} {times}", flush=True)
+            save(result, os.path.join(args.out, f"plan_variants_{name}_{section}.json"), f"{name} {section}")
 
 
 if __name__ == "__main__":
