@@ -53,6 +53,16 @@ def test_default_fused_rows_plan_spills_little(budget):
     assert 0 <= r["spill_stores"] <= 256 and 0 <= r["spill_loads"] <= 256, r
 
 
+@pytest.mark.parametrize("name", [f"forward-one-tile-k{K}{f}" for K in (1, 2, 4) for f in ("", "-fused")])
+def test_one_tile_token_plan_has_no_spills(budget, name):
+    # The opt-in one-tile decode plan (rows_per_tile 0, 8 warps): all of a token's rows and the prefix row held in
+    # registers at once, which is its point; a spill would put them in local memory. Measured, no spills: triton
+    # 3.8 102 / 126 / 203 registers plain at K = 1 / 2 / 4 and 175 / 209 / 255 fused; triton 3.9 100 / 127 / 200
+    # and 175 / 201 / 255.
+    r = budget[name]
+    assert 0 < r["regs"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+
+
 @pytest.mark.parametrize("name", ["backward-split-kpad2", "backward-split-kpad16", "backward-split-apply-kpad2",
                                   "backward-split-apply-kpad16", "backward-rows-kpad2", "backward-rows-kpad16",
                                   "backward-tiles-kpad2", "backward-tiles-kpad16"])

@@ -140,6 +140,22 @@ def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fuse
     return k.asm["ptx"], k.metadata.shared
 
 
+def token(dtype="bf16", block_h=8192, rows=4, num_warps=8, num_stages=1, fused=None, acc64=False, one_tile=False,
+          onw_ahead=False):
+    """The per-token decode kernel (kernels/attn_res_decode.py) with PDL, as the CUDA policy launches it."""
+    from k3_ops.kernels import attn_res_decode
+
+    sig, const = rows_signature(dtype, fused or {})
+    del sig["PREFETCH"]
+    for name in ("ROWS", "USE_PDL", "ONE_TILE", "ONW_AHEAD"):
+        sig[name] = "constexpr"
+    const.update(BLOCK_H=block_h, ROWS=rows, VEC=8 if dtype != "fp32" else 4, H_STRIDED=False, ACC64=acc64,
+                 NUM_STAGES=num_stages, USE_PDL=True, ONE_TILE=one_tile, ONW_AHEAD=onw_ahead)
+    src = _source(attn_res_decode.attn_res_token_kernel, sig, const)
+    k = triton.compile(src, target=TARGET, options=_options(num_warps))
+    return k.asm["ptx"], k.metadata.shared
+
+
 def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=True, maxnreg=None, kernel="tiles",
         block=1024):
     """The backward gradient kernel (all outputs), as the CUDA policy launches it ("rows": the streaming kernel,
@@ -257,7 +273,25 @@ def budget_cases() -> list[tuple[str, str, dict]]:
             *[(f"backward-rows-kpad{k}", "bwd", kw) for k in (16, 2)
               for _, kw in bwd_kw(k, cuda.BackwardConfig(kernel="rows"))],
             ("backward-tiles-kpad16", "bwd", dict(tiles_kw, k_pad=16)),
-            ("backward-tiles-kpad2", "bwd", dict(tiles_kw, k_pad=2))]
+            ("backward-tiles-kpad2", "bwd", dict(tiles_kw, k_pad=2)),
+            *one_tile_cases()]
+
+
+def one_tile_cases() -> list[tuple[str, str, dict]]:
+    """The opt-in one-tile plan (``LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8)``) at K = 1, 2, 4
+    (tiles of 1, 2 and 4 rows, H = 7168), plain and fused with every flag, the output norm's weight ahead where
+    the policy loads it so (at most two rows over 8 warps)."""
+    from k3_ops.backends import cuda
+
+    config = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8)
+    cases = []
+    for K in (1, 2, 4):
+        plan = cuda.choose_config(1, K, 7168, torch.device("cpu"), config)
+        kw = dict(rows=plan.rows_per_tile, num_warps=plan.num_warps, num_stages=plan.num_stages, one_tile=True)
+        cases.append((f"forward-one-tile-k{K}", "token", kw))
+        cases.append((f"forward-one-tile-k{K}-fused", "token",
+                      dict(kw, fused=FUSED_ALL, onw_ahead=plan.rows_per_tile <= 2 and plan.num_warps >= 8)))
+    return cases
 
 
 def main() -> None:
@@ -269,7 +303,7 @@ def main() -> None:
     if args[:1] == ["--json"]:
         out = {}
         for name, kind, kw in budget_cases() if found else []:
-            ptx = (rows if kind == "fwd" else bwd)(**kw)[0]
+            ptx = {"fwd": rows, "token": token, "bwd": bwd}[kind](**kw)[0]
             out[name] = resources(ptx)
         print(json.dumps({"triton": triton.__version__, "ptxas": found, "cases": out}))
         return
