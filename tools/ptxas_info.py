@@ -312,6 +312,10 @@ def main() -> None:
         if not args or any(o in name for o in args):
             ptx, shared = rows(**kw)
             print(f"forward  {name:46s} {ptxas_v(ptx)} shared={shared}")
+    for name, _, kw in one_tile_cases():
+        if not args or any(o in name for o in args):
+            ptx, shared = token(**kw)
+            print(f"forward  {name:46s} {ptxas_v(ptx)} shared={shared}")
     for name, kw in BACKWARD_CASES:
         if not args or any(o in name for o in args):
             ptx, shared = bwd(**kw)
