@@ -338,16 +338,27 @@ INTERPRETER_CASES = [c for c in CASES if c.base.T and c.base.dtype != torch.floa
 
 @requires_interpreter
 @pytest.mark.interpreter
-@pytest.mark.parametrize("policy", ["cuda", "npu", "npu-two-pass"])  # "npu": its single-read kernel at these H
+# "npu": its single-read kernel at these H; "cuda-onetile": the per-token kernel with every block row in one tile,
+# which stores the updated prefix and the snapshot at their load rather than in the epilogue.
+@pytest.mark.parametrize("policy", ["cuda", "cuda-onetile", "npu", "npu-two-pass"])
 @pytest.mark.parametrize("case", case_params(INTERPRETER_CASES))
-def test_policies_under_interpreter(case: ServingCase, policy: str):
+def test_policies_under_interpreter(case: ServingCase, policy: str, monkeypatch):
     """The CUDA and NPU backends' fused_attn_res_ on CPU tensors (one kernel launch each), against the contract and
     against the reference: out within the interpreter's bf16 truncation of it, FP8 bits equal to the quantisation
     of the policy's own unquantised output."""
     from k3_ops.backends import cuda, npu
 
-    backend = cuda if policy == "cuda" else npu
+    backend = npu if policy.startswith("npu") else cuda
     forced = "two_pass" if policy == "npu-two-pass" else None
+    if policy == "cuda-onetile":
+        real_choose, one_tile = cuda.choose_config, cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8)
+
+        def choose(T, K, H, device, config=None):
+            plan = real_choose(T, K, H, device, one_tile)
+            assert plan.one_tile, (T, K, H)
+            return plan
+
+        monkeypatch.setattr(cuda, "choose_config", choose)
     launches = []
     real = backend._launch_forward
 

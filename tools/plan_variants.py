@@ -19,7 +19,7 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
 - stream_edges: the table (the streaming kernel at K = 5..8 above 2048 tokens, K = 3..4 above 4096) beside the
   rows kernel and the streaming kernel on either side of those edges, T = 2048 and 8192, K = 2, 5, 8.
 - one_tile: the per-token kernel with every block row in one tile and the prefix beside it (rows_per_tile 0,
-  8 warps) at T <= 256 and K <= 4, plain and fused, T = 1, 16, 64, 256, K = 1..4.
+  8 warps) at T <= 256 and K <= 4, plain and fused, T = 1, 8, 16, 64, 128, 256, K = 1..4.
 - layer_one_tile: the layer schedule with that plan at T <= 256 and K <= 4.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ SECTIONS = {
     "layer_stream": ({"table": TABLE, "stream": variant(lambda T, K, f: STREAM if T >= 32 else None)},
                      dict(tokens=[1, 8, 64, 512]), (layer,)),
     "one_tile": ({"table": TABLE, "one_tile_w8": one_tile()},
-                 dict(tokens=[1, 16, 64, 256], blocks=[1, 2, 3, 4]), (mix, fused)),
+                 dict(tokens=[1, 8, 16, 64, 128, 256], blocks=[1, 2, 3, 4]), (mix, fused)),
     "layer_one_tile": ({"table": TABLE, "one_tile_w8": one_tile()}, dict(tokens=[1, 8, 64, 512]), (layer,)),
     "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
                       "stream": variant(lambda T, K, f: STREAM)},

@@ -12,7 +12,8 @@ cross-warp reduction (one shared-memory round per tile, not one per row).
 
 The prefix candidate (and with HAS_ADDEND its addend) is loaded right after the dependency wait, before the
 tiles, so its latency hides behind theirs; it is scored separately (a [BLOCK_H] row) and its row, in the I/O
-dtype, is exactly what the fused epilogue stores as new_prefix and the snapshot.
+dtype, is exactly what the fused call stores as new_prefix and the snapshot: in the epilogue, or with ``ONE_TILE``
+(every block row in one tile, no loop) right after the tile's loads are issued.
 
 Programmatic dependent launch (``USE_PDL``, sm_90+): nothing is read before ``gdc_wait``, which returns only
 once the preceding kernel in the stream has completed and its writes are visible (the weights too: they are read
@@ -46,6 +47,7 @@ from .attn_res_fwd import (
     _prefix_row_ptrs,
     _score,
     _serving_epilogue,
+    _serving_row_out,
     _stats,
     _store_out,
     _store_updated_prefix,
@@ -90,6 +92,13 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         rmask = tl.where(hmask[None, :], (r < K)[:, None], False)
         x = tl.load(_block_row_ptrs(blocks_ptr, t, r[:, None], cols[None, :], stride_bt, stride_bc, stride_bh, VEC,
                                     H_STRIDED), mask=rmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if FUSED:
+            # new_prefix and the snapshot as soon as their row is in, while the tile is still loading: the stores
+            # drain beside the reduction instead of after it. Safe: this program has read its prefix row (the
+            # in-place store writes only what it loaded) and the snapshot slot is >= K, outside the tile's rows.
+            _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt,
+                                  stride_ph, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND,
+                                  SNAPSHOT, INPLACE_PREFIX)
         vf = v.to(tl.float32)
         if ACC64:
             ss, d = _stats(x, w[None, :], 1, ACC64)
@@ -129,11 +138,18 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         mix = acc / l_sum.to(tl.float32)
     if FUSED and ONW_AHEAD:
         # The epilogue below with the output norm's weight already in registers (no FP8 output here).
-        _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt, stride_ph,
-                              stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT,
-                              INPLACE_PREFIX)
+        if not ONE_TILE:
+            _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt,
+                                  stride_ph, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND,
+                                  SNAPSHOT, INPLACE_PREFIX)
         x = _norm_input(tl.where(K == 0, v.to(tl.float32), mix), hmask, prefix_ptr, NORM_FP32_MIX)
         _store_out(out_ptr, t, cols, hmask, x * _norm_scale(tl.sum(x * x, axis=0), H, out_eps) * g, stride_ot, VEC)
+    elif FUSED and ONE_TILE:
+        # The output side only: the new prefix and the snapshot are stored above. K = 0: the mix IS the new prefix
+        # (as in _serving_epilogue).
+        mix = tl.where(K == 0, v.to(tl.float32), mix)
+        _serving_row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC,
+                         OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX)
     elif FUSED:
         # The rows kernel's epilogue: new_prefix (or, INPLACE_PREFIX, prefix itself: this program read its row
         # above and no other program touches it), the snapshot, the output norm and the FP8 output.
