@@ -260,7 +260,14 @@ def test_cuda_launch_table_overrides():
     assert plan == cuda.choose_config(5, 9, 7168, torch.device("cpu"),
                                       cuda.LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
     assert cuda.choose_config(5, 15, 40, torch.device("cpu"), one).rows_per_tile == 16
-    assert not cuda.choose_config(5, 3, 7168, torch.device("cpu")).one_tile  # not a table entry
+    # The table's one-tile entries: K <= 4 up to 256 tokens; K >= 5 there, and K <= 4 above, take other plans.
+    for T in (1, 5, 128, 256):
+        for K in (1, 2, 3, 4):
+            assert cuda.choose_config(T, K, 7168, torch.device("cpu")) == cuda.choose_config(T, K, 7168,
+                                                                                            torch.device("cpu"), one)
+    assert not cuda.choose_config(64, 5, 7168, torch.device("cpu")).one_tile
+    assert not cuda.choose_config(200, 8, 7168, torch.device("cpu")).one_tile
+    assert cuda.choose_config(257, 4, 7168, torch.device("cpu")).kernel == "rows"
     with pytest.raises(ValueError, match=r"LaunchConfig.chunk must be a power of two >= 16, got 100"):
         cuda.LaunchConfig(kernel="split", chunk=100)
     with pytest.raises(ValueError, match=r"must come from T_BUCKETS"):

@@ -5,7 +5,8 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
 
 - **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens, ``TOKEN_MAX_T_MANY_BLOCKS`` for K = 5..8):
   ``kernels/attn_res_decode.py``, one program per token streaming its K block rows in [ROWS, next_pow2(H)] tiles
-  through an online softmax, the prefix candidate folded in last; every row read once, no workspace. With
+  through an online softmax, the prefix candidate folded in last, or (K <= 4 up to 256 tokens) holding them all in
+  one tile with the prefix row beside it; every row read once, no workspace. With
   programmatic dependent launch (PDL) on sm_90+: a captured chain of calls overlaps each launch with its
   predecessor's tail (``K3_OPS_PDL=0`` turns it off).
 - **rows** (large T): a persistent grid (``ctas_per_sm`` programs per SM); each program streams the candidate rows
@@ -269,18 +270,25 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     # - T <= 4, K = 5..8: the split path: more SMs per token than one program can use, its partials in a per-call
     #   buffer between two launches (T = 1, K = 8: 4.7 us against 5.7 for the best per-token tile; at K = 4 the
     #   split's second launch costs more than it saves: 5.4 us against 4.0).
-    # - K = 1 and K = 2 up to 128 tokens: one program per token, tiles of K rows, 8 warps, no pipelining. Against
-    #   one row with 4 warps and 3 stages (K = 1) and 4-row tiles (K = 2), same run: the plain op T = 1 / 8 / 64
-    #   2.49 / 2.56 / 2.69 us against 2.84 / 2.87 / 3.06 (K = 1), 2.95 / 3.01 / 3.23 against 3.23 / 3.71 / 3.88
-    #   (K = 2); the fused call with its output norm 3.54 / 3.61 / 3.72 against 5.24 / 5.46 / 6.03 (K = 1: with 4
-    #   warps its epilogue spills 224 bytes per thread), 3.94 / 4.02 / 4.21 against 4.12 / 5.10 / 5.33 (K = 2).
-    # - K = 1 and every K at 129-256 tokens, and K = 5..8 at 257-512 tokens: one program per token, one row at a
-    #   time, 4 warps, 3 stages (at T = 256, K = 1 the plain op takes 4.72 us so, 5.37 with 8 warps). At T = 512,
-    #   K = 8, against the rows kernel, same run: the fused call 35.37 against 42.92 us, the plain op 25.40 against
-    #   25.11; at T = 1024 / 2048 the fused call 68.29 / 133.72 against 81.23 / 157.46 but the plain op 47.13 /
-    #   89.12 against 46.51 / 89.12, and at K <= 4 the plain op loses 4-10 %: the rows kernel stays there.
-    # - K >= 2 at 5-128 tokens: one program per token, tiles of 4 block rows, 8 warps, no software pipelining (a
-    #   tile's 4 rows are already in flight together; a second stage only adds shared-memory traffic).
+    # - K <= 4 up to 256 tokens: one program per token, every block row in one tile (next_pow2(K) rows) with the
+    #   prefix row beside it, 8 warps, no loop (``rows_per_tile`` 0); the fused call stores new_prefix and the
+    #   snapshot at their load. Same run (tools/plan_variants.py one_tile, at 9d8ab42) against the entries before
+    #   it (K = 1..2: tiles of K rows, 8 warps, up to 128 tokens; K = 3..4: 4-row tiles, 8 warps; 129-256 tokens:
+    #   one row at a time, 4 warps, 3 stages): the plain op at T = 1 / 64 / 128, K = 1 1.92 / 2.18 / 2.57 us
+    #   against 2.47 / 2.71 / 3.02, K = 4 3.18 / 3.55 / 4.15 against 3.77 / 4.16 / 4.69; the fused call with its
+    #   output norm K = 1 3.14 / 3.33 / 3.80 against 3.37 / 3.65 / 4.21, K = 4 4.30 / 4.61 / 5.11 against 5.11 /
+    #   5.57 / 6.40. At T = 256 the fused call gains at every K (K = 1 / 3 / 4: 6.80 / 9.21 / 9.74 against 8.47 /
+    #   10.67 / 11.89) and so does the plain op at K = 1, 2, 4, but the plain op at K = 3 loses (7.09 against
+    #   6.73): the plain op shares the fused call's plan (its mix is the fused call's bit for bit), and the fused
+    #   call is the one a decoder layer makes twice. Not measured above 256 tokens, where the rows kernel runs.
+    # - K >= 5 at 129-256 tokens and K = 5..8 at 257-512 tokens: one program per token, one row at a time, 4 warps,
+    #   3 stages. At T = 512, K = 8, against the rows kernel, same run: the fused call 35.37 against
+    #   42.92 us, the plain op 25.40 against 25.11; at T = 1024 / 2048 the fused call 68.29 / 133.72 against 81.23 /
+    #   157.46 but the plain op 47.13 / 89.12 against 46.51 / 89.12, and at K <= 4 the plain op loses 4-10 %: the
+    #   rows kernel stays there.
+    # - K >= 5 at 17-128 tokens (K = 5..8 at 1-16 tokens where the cluster kernel cannot run): one program per
+    #   token, tiles of 4 block rows, 8 warps, no software pipelining (a tile's 4 rows are already in flight
+    #   together; a second stage only adds shared-memory traffic).
     # - Large T: the persistent rows kernel with 4 warps: its [8192]-wide FP32 accumulator, weight and current row
     #   need ~255 registers per thread, so exactly two 4-warp programs fit an SM. It stages its rows through shared
     #   memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 /
@@ -307,9 +315,9 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
         before = (LaunchConfig(kernel="split", chunk=512) if t_bucket <= 4 else
                   LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
         return LaunchConfig(kernel="cluster", cluster_size=8, min_k=5, fallback=before)
-    if t_bucket <= 128 and k_bucket <= 2:
-        return LaunchConfig(kernel="token", rows_per_tile=k_bucket, num_warps=8, num_stages=1)
-    if t_bucket <= 128 and k_bucket > 1:
+    if t_bucket <= 256 and k_bucket <= 4:
+        return LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, num_stages=1)
+    if t_bucket <= 128:
         return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
     if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_MANY_BLOCKS and k_bucket == 8):
         return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3)
