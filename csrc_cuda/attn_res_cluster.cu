@@ -11,9 +11,11 @@
 // sqrt and reciprocal); the summation order differs from theirs, so bits differ, within the accuracy contract.
 //
 // The fused calls run here too (addend, new_prefix or in-place prefix, snapshot, output RMSNorm), so that their mix
-// is attn_res's bit for bit on every path. The norm's sum of squares is a second exchange of one partial per CTA;
-// its weight is loaded once the mix is formed (the candidate rows are dead by then, so the register budget of
-// __launch_bounds__ holds), its latency behind that exchange.
+// is attn_res's bit for bit on every path. The norm's sum of squares is a second exchange of one partial per CTA.
+//
+// Loads: every row a thread needs (the weights, the K block rows, the prefix, the addend, the output norm's weight)
+// is fetched before any is converted (attn_res_vec.h, fetch8), so all are in flight at once: converting each
+// row right after its load, in its own `i < K` branch, made the rows arrive one round trip after another.
 //
 // PDL: nothing is read before griddepcontrol.wait (cudaGridDependencySynchronize); dependents are released right
 // after it.
@@ -61,27 +63,45 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
   cudaTriggerProgrammaticLaunchCompletion();
   float x[kMaxCand][8];
   float w[8];
+  float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // the output norm's weight (fused, with the norm)
   float ss[kMaxCand], d[kMaxCand];
   if (active) {
-    float nw[8], pw[8];
-    load8(static_cast<const NW*>(a.norm_weight) + col, nw);
-    load8(static_cast<const PW*>(a.proj_weight) + col, pw);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) w[j] = nw[j] * pw[j];
+    // Every load in flight before any is used (attn_res_vec.h, fetch8): the weights, the K block rows, the prefix,
+    // the addend and the output norm's weight, then the conversions.
+    const Raw8<NW> raw_nw = fetch8(static_cast<const NW*>(a.norm_weight) + col);
+    const Raw8<PW> raw_pw = fetch8(static_cast<const PW*>(a.proj_weight) + col);
     const IO* blocks = static_cast<const IO*>(a.blocks) + t * a.stride_bt + col;
+    Raw8<IO> raw[kMaxCand];
 #pragma unroll
     for (int i = 0; i < kMaxCand - 1; ++i) {
-      if (i < K) load8(blocks + i * a.stride_bc, x[i]);  // slots >= K are never addressed
+      if (i < K) raw[i] = fetch8(blocks + i * a.stride_bc);  // slots >= K are never addressed
+    }
+    raw[kMaxCand - 1] = fetch8(static_cast<const IO*>(a.prefix) + t * a.stride_pt + col);
+    Raw8<IO> raw_add = {};
+    const bool has_addend = kFused && a.addend != nullptr;
+    if (has_addend) raw_add = fetch8(static_cast<const IO*>(a.addend) + t * a.stride_at + col);
+    Raw8Any raw_g = {};
+    const bool has_norm = kFused && a.out_norm_weight != nullptr;
+    if (has_norm) raw_g = fetch8_any(a.out_norm_weight, a.onw_dtype, col);
+    float nw[8], pw[8];
+    unpack8(raw_nw, nw);
+    unpack8(raw_pw, pw);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w[j] = nw[j] * pw[j];
+#pragma unroll
+    for (int i = 0; i < kMaxCand - 1; ++i) {
+      if (i < K) unpack8(raw[i], x[i]);
     }
     float (&v)[8] = x[kMaxCand - 1];
-    load8(static_cast<const IO*>(a.prefix) + t * a.stride_pt + col, v);
-    if (kFused && a.addend != nullptr) {
+    unpack8(raw[kMaxCand - 1], v);
+    if (has_addend) {
       // round(prefix + addend): one FP32 add, one rounding to the io dtype, as torch's add (and the Triton kernels).
       float add[8];
-      load8(static_cast<const IO*>(a.addend) + t * a.stride_at + col, add);
+      unpack8(raw_add, add);
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = to_float(from_float<IO>(v[j] + add[j]));
     }
+    if (has_norm) unpack8_any(raw_g, a.onw_dtype, g);
     // The new prefix: each thread stores exactly the columns it has read, so the in-place store cannot race a
     // read of another thread or CTA.
     if constexpr (kFused) {
@@ -158,9 +178,8 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
   for (int j = 0; j < 8; ++j) acc[j] = acc[j] / l;
   if (kFused && a.out_norm_weight != nullptr) {
     // y: the mix as the norm sees it (rounded to the io dtype, or the FP32 mix); 0 in inactive threads.
-    float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, sq = 0.f;
+    float sq = 0.f;
     if (active) {
-      load8_any(a.out_norm_weight, a.onw_dtype, col, g);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         if (a.norm_rounded_mix) acc[j] = to_float(from_float<IO>(acc[j]));

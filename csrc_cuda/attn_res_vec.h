@@ -1,6 +1,6 @@
 // Device helpers of the CUDA C++ forward kernels (attn_res_cluster.cu, attn_res_stream.cu): 16-byte vector loads
-// and stores of 8 elements converted to / from FP32, CTA-wide reductions, the e4m3 encoding. Included by .cu
-// files only (device code).
+// (split into fetch and unpack) and stores of 8 elements converted to / from FP32, CTA-wide reductions, the e4m3
+// encoding. Included by .cu files only (device code).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -22,28 +22,74 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// 8 elements as loaded, not yet converted: fetch8 issues the load and nothing else, unpack8 converts. A thread that
+// needs several rows fetches them all before unpacking any: a conversion placed right after its load waits for
+// that load, and where the loads sit in separate branches (rows < K) the compiler cannot move the conversions
+// past the next load, so the rows would arrive one round trip after another (docs/benchmarks.md, "Where the
+// remaining gap goes": the cluster kernel's loads).
 template <typename T>
-__device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const T* v = reinterpret_cast<const T*>(&raw);
+struct Raw8 {
+  uint4 u;  // 8 16-bit elements
+};
+template <>
+struct Raw8<float> {
+  float4 a, b;
+};
+
+template <typename T>
+__device__ __forceinline__ Raw8<T> fetch8(const T* p) {
+  return Raw8<T>{*reinterpret_cast<const uint4*>(p)};
+}
+template <>
+__device__ __forceinline__ Raw8<float> fetch8<float>(const float* p) {
+  return Raw8<float>{reinterpret_cast<const float4*>(p)[0], reinterpret_cast<const float4*>(p)[1]};
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const Raw8<T>& r, float (&x)[8]) {
+  const T* v = reinterpret_cast<const T*>(&r.u);
 #pragma unroll
   for (int j = 0; j < 8; ++j) x[j] = to_float(v[j]);
 }
-
 template <>
-__device__ __forceinline__ void load8<float>(const float* p, float (&x)[8]) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+__device__ __forceinline__ void unpack8<float>(const Raw8<float>& r, float (&x)[8]) {
+  x[0] = r.a.x; x[1] = r.a.y; x[2] = r.a.z; x[3] = r.a.w; x[4] = r.b.x; x[5] = r.b.y; x[6] = r.b.z; x[7] = r.b.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
+  unpack8(fetch8(p), x);
 }
 
 // A weight of any of the three dtypes, chosen at run time (a uniform branch): the output norm's, whose dtype would
-// otherwise multiply the instantiations by three.
-__device__ __forceinline__ void load8_any(const void* p, IoDtype dtype, int64_t col, float (&x)[8]) {
-  switch (dtype) {
-    case IoDtype::kFloat32: load8(static_cast<const float*>(p) + col, x); break;
-    case IoDtype::kBFloat16: load8(static_cast<const __nv_bfloat16*>(p) + col, x); break;
-    default: load8(static_cast<const __half*>(p) + col, x); break;
+// otherwise multiply the instantiations by three. fetch8_any / unpack8_any split it as fetch8 / unpack8 do.
+struct Raw8Any {
+  uint4 lo, hi;  // 16-bit dtypes: lo only
+};
+
+__device__ __forceinline__ Raw8Any fetch8_any(const void* p, IoDtype dtype, int64_t col) {
+  if (dtype == IoDtype::kFloat32) {
+    const uint4* q = reinterpret_cast<const uint4*>(static_cast<const float*>(p) + col);
+    return Raw8Any{q[0], q[1]};
   }
+  return Raw8Any{*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + col), make_uint4(0u, 0u, 0u, 0u)};
+}
+
+__device__ __forceinline__ void unpack8_any(const Raw8Any& r, IoDtype dtype, float (&x)[8]) {
+  switch (dtype) {
+    case IoDtype::kFloat32: {
+      const float* f = reinterpret_cast<const float*>(&r);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = f[j];
+      break;
+    }
+    case IoDtype::kBFloat16: unpack8(Raw8<__nv_bfloat16>{r.lo}, x); break;
+    default: unpack8(Raw8<__half>{r.lo}, x); break;
+  }
+}
+
+__device__ __forceinline__ void load8_any(const void* p, IoDtype dtype, int64_t col, float (&x)[8]) {
+  unpack8_any(fetch8_any(p, dtype, col), dtype, x);
 }
 
 // The sum of `value` over the CTA (warp shuffles, then the warps' partials in warp order), in every thread.

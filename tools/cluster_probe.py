@@ -1,22 +1,26 @@
-"""Where the cluster kernel's time goes at decode sizes: its exchange, timed apart (H200 data in docs/benchmarks.md,
-"Where the remaining gap goes").
+"""Where the cluster kernel's time goes at decode sizes: its loads and its exchange, timed apart (H200 data in
+docs/benchmarks.md, "Where the remaining gap goes").
 
 The table's plain op at T <= 16, K = 5..8 is csrc_cuda/attn_res_cluster.cu: a token over a cluster of 8 CTAs,
 each holding 1/8 of the columns of every candidate row, exchanging per-candidate partial statistics through
 distributed shared memory. This probe builds (torch.utils.cpp_extension.load_inline, sm_90) the same loads,
-statistics and mix in four forms that differ only in the exchange, and times them beside the table and the floor
-kernel (k3_ops/bench/floor.py) in one run of the mix section (graph replay, NaN in unused slots):
+statistics and mix in forms that differ only in the exchange and in the order of the loads, and times them beside
+the table and the floor kernel (k3_ops/bench/floor.py) in one run of the mix section (graph replay, NaN in unused
+slots). Exchanges:
 
-- ``pull``: the library's exchange: each CTA writes its partials to its own shared memory, ``cluster.sync()``,
-  every CTA reads all ranks' partials (DSMEM loads), and a second ``cluster.sync()`` before exit so that no CTA
-  frees shared memory another still reads. Its output must equal the table's bit for bit (checked).
+- ``pull``: the library's: each CTA writes its partials to its own shared memory, ``cluster.sync()``, every CTA
+  reads all ranks' partials (DSMEM loads), and a second ``cluster.sync()`` before exit so that no CTA frees shared
+  memory another still reads.
 - ``push``: each CTA stores its partials into every rank's inbox (DSMEM stores), then one split cluster barrier
   (arrive.release / wait.acquire) and only local reads after it, so no barrier at exit; the "every CTA has
   started" rule for DSMEM is a relaxed arrive at entry, waited for just before the remote stores (by then long
-  satisfied). Same sums in the same order: equal bits to ``pull`` (checked).
+  satisfied). Same sums in the same order as ``pull``.
 - ``none_cluster``: no exchange at all (each CTA's softmax over its own partials: wrong output, timing only), still
-  launched as clusters of 8: launch, loads, local reductions, store.
-- ``none_grid``: the same without the cluster attribute (8 independent CTAs per token).
+  launched as clusters of 8; ``none_grid``: the same without the cluster attribute (8 independent CTAs per token).
+
+Loads: plain names convert each row right after its load, each in its own ``i < K`` branch (the library's kernel
+before ``fetch8``); ``_batched`` issues every load (weights, rows, prefix) before converting any, as the library
+does now. ``pull``, ``pull_batched`` and ``push_batched`` must equal the table's output bit for bit (checked).
 
 Usage, on the GPU machine: python tools/cluster_probe.py [--out DIR]
 """
@@ -36,7 +40,9 @@ from k3_ops.bench import floor, mix  # noqa: E402
 from k3_ops.bench.common import Ops, Options  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-MODES = {"pull": 0, "push": 1, "none_cluster": 2, "none_grid": 3}
+#: name: (exchange mode, every load issued before any conversion)
+MODES = {"pull": (0, False), "pull_batched": (0, True), "push_batched": (1, True), "none_cluster": (2, False),
+         "none_grid": (3, False), "none_grid_batched": (3, True)}
 CS = 8
 
 _CUDA = r"""
@@ -63,8 +69,8 @@ __device__ __forceinline__ void wait_acquire() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// MODE 0 pull, 1 push, 2 and 3 no exchange (3 is launched without clusters).
-template <int MODE>
+// MODE 0 pull, 1 push, 2 and 3 no exchange (3 is launched without clusters); kBatched: every load before any use.
+template <int MODE, bool kBatched>
 __global__ void __launch_bounds__(512) probe_kernel(const __nv_bfloat16* prefix, const __nv_bfloat16* blocks,
                                                     const __nv_bfloat16* nw, const __nv_bfloat16* pw,
                                                     __nv_bfloat16* out, int K, int H, int64_t stride_pt,
@@ -84,7 +90,26 @@ __global__ void __launch_bounds__(512) probe_kernel(const __nv_bfloat16* prefix,
   cudaTriggerProgrammaticLaunchCompletion();
   float x[kMaxCand][8];
   float w[8];
-  if (active) {
+  if (active && kBatched) {
+    // Every load issued before any conversion (attn_res_vec.h, fetch8).
+    const Raw8<__nv_bfloat16> raw_nw = fetch8(nw + col), raw_pw = fetch8(pw + col);
+    Raw8<__nv_bfloat16> raw[kMaxCand];
+#pragma unroll
+    for (int i = 0; i < kMaxCand - 1; ++i) {
+      if (i < K) raw[i] = fetch8(blocks + t * stride_bt + i * stride_bc + col);
+    }
+    raw[kMaxCand - 1] = fetch8(prefix + t * stride_pt + col);
+    float a[8], b[8];
+    unpack8(raw_nw, a);
+    unpack8(raw_pw, b);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w[j] = a[j] * b[j];
+#pragma unroll
+    for (int i = 0; i < kMaxCand; ++i) {
+      if (i < K || i == kMaxCand - 1) unpack8(raw[i], x[i]);
+    }
+  } else if (active) {
+    // Each row converted right after its load, in its own branch (the library's kernel before fetch8).
     float a[8], b[8];
     load8(nw + col, a);
     load8(pw + col, b);
@@ -181,7 +206,7 @@ __global__ void __launch_bounds__(512) probe_kernel(const __nv_bfloat16* prefix,
   if constexpr (MODE == 0) cg::this_cluster().sync();
 }
 
-template <int MODE>
+template <int MODE, bool kBatched>
 void launch(const torch::Tensor& prefix, const torch::Tensor& blocks, const torch::Tensor& nw, const torch::Tensor& pw,
             torch::Tensor& out, int K, double eps) {
   const int T = static_cast<int>(prefix.size(0)), H = static_cast<int>(prefix.size(1));
@@ -199,25 +224,34 @@ void launch(const torch::Tensor& prefix, const torch::Tensor& blocks, const torc
   config.attrs = attrs;
   config.numAttrs = MODE == 3 ? 1 : 2;
   auto bf = [](const torch::Tensor& x) { return reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()); };
-  cudaError_t err = cudaLaunchKernelEx(&config, probe_kernel<MODE>, bf(prefix), bf(blocks), bf(nw), bf(pw),
-                                       reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), K, H, prefix.stride(0),
-                                       blocks.stride(0), blocks.stride(1), static_cast<float>(eps));
+  cudaError_t err = cudaLaunchKernelEx(&config, probe_kernel<MODE, kBatched>, bf(prefix), bf(blocks), bf(nw),
+                                       bf(pw), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), K, H,
+                                       prefix.stride(0), blocks.stride(0), blocks.stride(1), static_cast<float>(eps));
   TORCH_CHECK(err == cudaSuccess, "cluster probe launch: ", cudaGetErrorString(err));
 }
 
 void probe(torch::Tensor prefix, torch::Tensor blocks, torch::Tensor nw, torch::Tensor pw, torch::Tensor out,
-           int64_t K, double eps, int64_t mode) {
+           int64_t K, double eps, int64_t mode, bool batched) {
+  const int k = static_cast<int>(K);
+  if (batched) {
+    switch (mode) {
+      case 0: return launch<0, true>(prefix, blocks, nw, pw, out, k, eps);
+      case 1: return launch<1, true>(prefix, blocks, nw, pw, out, k, eps);
+      case 2: return launch<2, true>(prefix, blocks, nw, pw, out, k, eps);
+      default: return launch<3, true>(prefix, blocks, nw, pw, out, k, eps);
+    }
+  }
   switch (mode) {
-    case 0: return launch<0>(prefix, blocks, nw, pw, out, static_cast<int>(K), eps);
-    case 1: return launch<1>(prefix, blocks, nw, pw, out, static_cast<int>(K), eps);
-    case 2: return launch<2>(prefix, blocks, nw, pw, out, static_cast<int>(K), eps);
-    default: return launch<3>(prefix, blocks, nw, pw, out, static_cast<int>(K), eps);
+    case 0: return launch<0, false>(prefix, blocks, nw, pw, out, k, eps);
+    case 1: return launch<1, false>(prefix, blocks, nw, pw, out, k, eps);
+    case 2: return launch<2, false>(prefix, blocks, nw, pw, out, k, eps);
+    default: return launch<3, false>(prefix, blocks, nw, pw, out, k, eps);
   }
 }
 """
 
 _CPP = ("void probe(torch::Tensor prefix, torch::Tensor blocks, torch::Tensor nw, torch::Tensor pw, "
-        "torch::Tensor out, int64_t K, double eps, int64_t mode);")
+        "torch::Tensor out, int64_t K, double eps, int64_t mode, bool batched);")
 
 
 def build():
@@ -229,16 +263,16 @@ def build():
 
 
 def variants(ext) -> dict[str, Ops]:
-    def op(mode: int):
+    def op(mode: int, batched: bool):
         def attn_res(prefix, blocks, nw, pw, K, eps):
             # bf16 rows and weights, unit hidden stride, 16-byte aligned rows, H a multiple of 64 (the bench's).
             out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
             ext.probe(prefix, blocks, nw.to(prefix.dtype), pw.reshape(-1).to(prefix.dtype), out, int(K), float(eps),
-                      mode)
+                      mode, batched)
             return out
         return attn_res
 
-    probes = {n: Ops(attn_res=op(m)) for n, m in MODES.items()}
+    probes = {n: Ops(attn_res=op(*m)) for n, m in MODES.items()}
     return {"table": Ops(attn_res=cuda.attn_res_forward), "floor": Ops(attn_res=floor.mix_floor), **probes}
 
 
@@ -254,7 +288,8 @@ def check(ops: dict[str, Ops]) -> list[dict]:
                 (torch.randn(1, 7168, generator=g) * 2 / 7168**0.5).cuda().bfloat16(), K, 1e-6)
         assert cuda.choose_config(T, K, 7168, args[0].device).kernel == "cluster", (T, K)
         want = ops["table"].attn_res(*args)
-        row = {"T": T, "K": K, **{n: bool(torch.equal(ops[n].attn_res(*args), want)) for n in ("pull", "push")}}
+        row = {"T": T, "K": K, **{n: bool(torch.equal(ops[n].attn_res(*args), want))
+                                       for n in ("pull", "pull_batched", "push_batched")}}
         rows.append(row)
         print("equal bits to the table", row, flush=True)
     return rows
