@@ -13,9 +13,11 @@
 // The fused calls run here too (addend, new_prefix or in-place prefix, snapshot, output RMSNorm), so that their mix
 // is attn_res's bit for bit on every path. The norm's sum of squares is a second exchange of one partial per CTA.
 //
-// Loads: every row a thread needs (the weights, the K block rows, the prefix, the addend, the output norm's weight)
-// is fetched before any is converted (attn_res_vec.h, fetch8), so all are in flight at once: converting each
-// row right after its load, in its own `i < K` branch, made the rows arrive one round trip after another.
+// Loads: everything a thread reads (the weights, the K block rows, the prefix, the addend, the output norm's weight)
+// is fetched before anything is converted (attn_res_vec.h, fetch8). What that buys is the output norm's weight:
+// loaded after the mix, its round trip came after the first exchange; with the inputs it hides behind theirs (the
+// fused call at T <= 16, K = 5..8, 5.73-6.78 against 5.89-6.95 us, same run at 46a21a7). The plain op is unchanged
+// (4.20-5.26 against 4.22-5.29): its loads were already in flight together.
 //
 // PDL: nothing is read before griddepcontrol.wait (cudaGridDependencySynchronize); dependents are released right
 // after it.
@@ -67,7 +69,8 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
   float ss[kMaxCand], d[kMaxCand];
   if (active) {
     // Every load in flight before any is used (attn_res_vec.h, fetch8): the weights, the K block rows, the prefix,
-    // the addend and the output norm's weight, then the conversions.
+    // the addend and the output norm's weight (held converted across the exchange: 8 registers), then the
+    // conversions.
     const Raw8<NW> raw_nw = fetch8(static_cast<const NW*>(a.norm_weight) + col);
     const Raw8<PW> raw_pw = fetch8(static_cast<const PW*>(a.proj_weight) + col);
     const IO* blocks = static_cast<const IO*>(a.blocks) + t * a.stride_bt + col;

@@ -22,11 +22,10 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
-// 8 elements as loaded, not yet converted: fetch8 issues the load and nothing else, unpack8 converts. A thread that
-// needs several rows fetches them all before unpacking any: a conversion placed right after its load waits for
-// that load, and where the loads sit in separate branches (rows < K) the compiler cannot move the conversions
-// past the next load, so the rows would arrive one round trip after another (docs/benchmarks.md, "Where the
-// remaining gap goes": the cluster kernel's loads).
+// 8 elements as loaded, not yet converted: fetch8 issues the load and nothing else, unpack8 converts. A kernel can
+// so put a load in flight long before the value is needed: the cluster kernel fetches the output norm's weight with
+// its inputs and converts it after the mix (tools/cluster_probe.py measured that fetching the block rows so as well
+// changes nothing: the compiler already overlaps their loads).
 template <typename T>
 struct Raw8 {
   uint4 u;  // 8 16-bit elements
