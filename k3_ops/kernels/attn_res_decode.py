@@ -13,7 +13,8 @@ cross-warp reduction (one shared-memory round per tile, not one per row).
 The prefix candidate (and with HAS_ADDEND its addend) is loaded right after the dependency wait, before the
 tiles, so its latency hides behind theirs; it is scored separately (a [BLOCK_H] row) and its row, in the I/O
 dtype, is exactly what the fused call stores as new_prefix and the snapshot: in the epilogue, or with ``ONE_TILE``
-(every block row in one tile, no loop) right after the tile's loads are issued.
+(every block row in one tile, no loop) right after the tile's loads are issued (the in-place prefix after the
+reductions: see there).
 
 Programmatic dependent launch (``USE_PDL``, sm_90+): nothing is read before ``gdc_wait``, which returns only
 once the preceding kernel in the stream has completed and its writes are visible (the weights too: they are read
@@ -49,7 +50,9 @@ from .attn_res_fwd import (
     _serving_epilogue,
     _serving_row_out,
     _stats,
+    _store_new_prefix,
     _store_out,
+    _store_snapshot,
     _store_updated_prefix,
     gdc_launch_dependents_if,
     gdc_wait_if,
@@ -94,11 +97,19 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                                     H_STRIDED), mask=rmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         if FUSED:
             # new_prefix and the snapshot as soon as their row is in, while the tile is still loading: the stores
-            # drain beside the reduction instead of after it. Safe: this program has read its prefix row (the
-            # in-place store writes only what it loaded) and the snapshot slot is >= K, outside the tile's rows.
-            _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt,
-                                  stride_ph, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND,
-                                  SNAPSHOT, INPLACE_PREFIX)
+            # drain beside the reduction instead of after it. Safe because nothing in this kernel reads what they
+            # write (new_prefix is an output; the snapshot slot is >= K, outside the tile's rows). The in-place
+            # prefix is not stored here: a row tensor may be held by several warps at once (a replicated layout,
+            # e.g. 128 columns over 256 threads), and a warp that stored it early could overwrite the prefix before
+            # another warp has loaded its copy, which would then add the addend twice (seen on the H200 at
+            # H = 96). It is stored after the reductions below, which every warp's copy of the row has entered.
+            if INPLACE_PREFIX:
+                if SNAPSHOT:
+                    _store_snapshot(blocks_ptr, t, cols, hmask, v, stride_bt, stride_bc, stride_bh, write_idx, VEC,
+                                    H_STRIDED)
+            else:
+                _store_new_prefix(newp_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_bt, stride_bc,
+                                  stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT)
         vf = v.to(tl.float32)
         if ACC64:
             ss, d = _stats(x, w[None, :], 1, ACC64)
@@ -113,6 +124,10 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         p_v = tl.exp(s_v - m)
         acc = tl.sum(p.to(tl.float32)[:, None] * x, axis=0) + p_v.to(tl.float32) * vf
         mix = acc / (tl.sum(p, axis=0) + p_v).to(tl.float32)
+        if FUSED and INPLACE_PREFIX and HAS_ADDEND:
+            # After the prefix row's reduction (see above): every warp has read the row it overwrites.
+            tl.store(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED),
+                     v.to(prefix_ptr.dtype.element_ty), mask=hmask)
     else:
         m = _acc_full([], -float("inf"), ACC64)
         l_sum = _acc_full([], 0.0, ACC64)
