@@ -141,8 +141,9 @@ def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fuse
 
 
 def token(dtype="bf16", block_h=8192, rows=4, num_warps=8, num_stages=1, fused=None, acc64=False, one_tile=False,
-          onw_ahead=False):
-    """The per-token decode kernel (kernels/attn_res_decode.py) with PDL, as the CUDA policy launches it."""
+          onw_ahead=False, asm="ptx"):
+    """The per-token decode kernel (kernels/attn_res_decode.py) with PDL, as the CUDA policy launches it; ``asm``:
+    which of the compiled forms to return ("ptx", or "ttir" for the Triton IR)."""
     from k3_ops.kernels import attn_res_decode
 
     sig, const = rows_signature(dtype, fused or {})
@@ -153,7 +154,7 @@ def token(dtype="bf16", block_h=8192, rows=4, num_warps=8, num_stages=1, fused=N
                  NUM_STAGES=num_stages, USE_PDL=True, ONE_TILE=one_tile, ONW_AHEAD=onw_ahead)
     src = _source(attn_res_decode.attn_res_token_kernel, sig, const)
     k = triton.compile(src, target=TARGET, options=_options(num_warps))
-    return k.asm["ptx"], k.metadata.shared
+    return k.asm[asm], k.metadata.shared
 
 
 def bwd(dtype="bf16", k_pad=16, tile=4096, num_warps=16, num_stages=1, acc64=True, maxnreg=None, kernel="tiles",
@@ -211,6 +212,47 @@ FUSED_ALL = dict(HAS_ADDEND=True, SNAPSHOT=True, OUT_NORM=True)
 #: vLLM's pre-attention call through fused_attn_res_: in-place add, snapshot, FP32-mix norm, optionally FP8.
 SERVING = dict(FUSED_ALL, INPLACE_PREFIX=True, NORM_FP32_MIX=True)
 SERVING_FP8 = dict(SERVING, FP8_OUT=True, FP8_MAX=448.0)
+
+
+def store_order(ir: str, pointer_args: list[str]) -> list[list]:
+    """The ``tt.store`` and ``tt.reduce`` operations of a kernel's Triton IR in program order, each with the pointer
+    arguments it derives from: a store through its pointer operand, a reduction through all its operands (a loaded
+    value derives from the pointer it was loaded through). [[kind, line, [argument, ...]], ...]"""
+    defs, events = {}, []
+
+    def refs(text: str) -> set[str]:
+        return {r.split("#")[0] for r in re.findall(r"%[\w.#]+", text)}
+
+    body = ir[ir.index("tt.func public"):]
+    for line_no, line in enumerate(body.splitlines()):
+        line = line.split(" loc(")[0].strip()
+        m = re.match(r"(%[\w.]+)(?::\d+)? = (.*)", line)
+        if m:
+            defs[m.group(1)] = refs(m.group(2))
+            if '"tt.reduce"' in m.group(2):
+                events.append(["reduce", line_no, refs(m.group(2))])
+        elif line.startswith("tt.store "):
+            events.append(["store", line_no, refs(line.split(",")[0])])
+
+    def roots(names: set[str], seen: set[str]) -> set[str]:
+        out = set()
+        for n in names - seen:
+            seen.add(n)
+            if n[1:] in pointer_args:
+                out.add(n[1:])
+            out |= roots(defs.get(n, set()), seen)
+        return out
+
+    return [[kind, line_no, sorted(roots(names, set()))] for kind, line_no, names in events]
+
+
+#: The per-token kernel's variants whose store order tests/test_store_order.py checks: 128 columns over 8 warps, so
+#: that a row tensor is held by two threads each (a replicated layout), the one-tile plan and the 4-row tiles.
+ORDER_CASES = {
+    "one-tile-inplace": dict(block_h=128, rows=4, one_tile=True, fused=SERVING),
+    "one-tile-fused": dict(block_h=128, rows=4, one_tile=True, fused=FUSED_ALL),
+    "tiles-inplace": dict(block_h=128, rows=4, fused=SERVING),
+}
 FORWARD_CASES = [
     ("plain w4 p1", dict()),
     ("plain w4 p2", dict(prefetch=2)),
@@ -297,9 +339,17 @@ def one_tile_cases() -> list[tuple[str, str, dict]]:
 def main() -> None:
     """Print every case whose name contains one of the command-line words (all cases without any);
     ``--json`` prints {"triton": version, "ptxas": [path, CUDA release] or null, "cases": {name: resources}} for
-    ``budget_cases()`` instead (used by tests/test_register_budget.py; no cases where there is no ptxas)."""
+    ``budget_cases()`` instead (used by tests/test_register_budget.py; no cases where there is no ptxas);
+    ``--store-order`` prints the same with {name: store_order(...)} for ``ORDER_CASES`` (tests/test_store_order.py)."""
     args = sys.argv[1:]
     found = find_ptxas()
+    if args[:1] == ["--store-order"]:
+        from k3_ops.kernels import attn_res_decode
+
+        pointers = [n for n in attn_res_decode.attn_res_token_kernel.arg_names if n.endswith("_ptr")]
+        cases = {name: store_order(token(asm="ttir", **kw)[0], pointers) for name, kw in ORDER_CASES.items()}
+        print(json.dumps({"triton": triton.__version__, "ptxas": found, "cases": cases if found else {}}))
+        return
     if args[:1] == ["--json"]:
         out = {}
         for name, kind, kw in budget_cases() if found else []:
