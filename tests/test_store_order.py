@@ -1,4 +1,4 @@
-"""The order of the per-token kernel's stores against its reductions, read from its Triton IR compiled for sm_90
+"""The order of the CUDA kernels' stores against their reductions (the per-token kernel, the rows kernel), read from its Triton IR compiled for sm_90
 without a GPU (``tools/ptxas_info.py --store-order``).
 
 A program may overwrite memory it reads only after every warp has loaded its copy: a row tensor can be held by
@@ -48,7 +48,7 @@ def _first_reduce(events: list, pointer: str | None = None) -> int:
     return min(line for kind, line, roots in events if kind == "reduce" and (pointer is None or pointer in roots))
 
 
-@pytest.mark.parametrize("variant", ["one-tile-inplace", "tiles-inplace"])
+@pytest.mark.parametrize("variant", ["one-tile-inplace", "tiles-inplace", "rows-inplace"])
 def test_inplace_prefix_is_stored_after_a_reduction_of_the_prefix_row(order, variant):
     events = order[variant]
     stores = _stores(events, "prefix_ptr")

@@ -131,13 +131,14 @@ def ptxas_v(ptx: str) -> str:
     return f"regs={r['regs']} stack={r['stack']} spill st/ld={r['spill_stores']}/{r['spill_loads']}"
 
 
-def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fused=None, acc64=False, maxnreg=None):
+def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fused=None, acc64=False, maxnreg=None,
+         asm="ptx"):
     sig, const = rows_signature(dtype, fused or {})
     const.update(BLOCK_H=block_h, VEC=8 if dtype != "fp32" else 4, H_STRIDED=False, ACC64=acc64,
                  PREFETCH=prefetch, NUM_STAGES=num_stages)
     src = _source(attn_res_fwd.attn_res_rows_kernel, sig, const)
     k = triton.compile(src, target=TARGET, options=_options(num_warps, maxnreg))
-    return k.asm["ptx"], k.metadata.shared
+    return k.asm[asm], k.metadata.shared
 
 
 def token(dtype="bf16", block_h=8192, rows=4, num_warps=8, num_stages=1, fused=None, acc64=False, one_tile=False,
@@ -246,12 +247,14 @@ def store_order(ir: str, pointer_args: list[str]) -> list[list]:
     return [[kind, line_no, sorted(roots(names, set()))] for kind, line_no, names in events]
 
 
-#: The per-token kernel's variants whose store order tests/test_store_order.py checks: 128 columns over 8 warps, so
-#: that a row tensor is held by two threads each (a replicated layout), the one-tile plan and the 4-row tiles.
+#: The kernel variants whose store order tests/test_store_order.py checks: the per-token kernel at 128 columns over
+#: 8 warps, so that a row tensor is held by two threads each (a replicated layout), with the one-tile plan and with
+#: 4-row tiles; the rows kernel's in-place serving call as the large-T table runs it.
 ORDER_CASES = {
-    "one-tile-inplace": dict(block_h=128, rows=4, one_tile=True, fused=SERVING),
-    "one-tile-fused": dict(block_h=128, rows=4, one_tile=True, fused=FUSED_ALL),
-    "tiles-inplace": dict(block_h=128, rows=4, fused=SERVING),
+    "one-tile-inplace": ("token", dict(block_h=128, rows=4, one_tile=True, fused=SERVING)),
+    "one-tile-fused": ("token", dict(block_h=128, rows=4, one_tile=True, fused=FUSED_ALL)),
+    "tiles-inplace": ("token", dict(block_h=128, rows=4, fused=SERVING)),
+    "rows-inplace": ("rows", dict(prefetch=0, num_stages=3, fused=SERVING)),
 }
 FORWARD_CASES = [
     ("plain w4 p1", dict()),
@@ -346,9 +349,13 @@ def main() -> None:
     if args[:1] == ["--store-order"]:
         from k3_ops.kernels import attn_res_decode
 
-        pointers = [n for n in attn_res_decode.attn_res_token_kernel.arg_names if n.endswith("_ptr")]
-        cases = {name: store_order(token(asm="ttir", **kw)[0], pointers) for name, kw in ORDER_CASES.items()}
-        print(json.dumps({"triton": triton.__version__, "ptxas": found, "cases": cases if found else {}}))
+        kernels = {"token": (token, attn_res_decode.attn_res_token_kernel),
+                   "rows": (rows, attn_res_fwd.attn_res_rows_kernel)}
+        cases = {}
+        for name, (kind, kw) in ORDER_CASES.items() if found else ():
+            compile_, fn = kernels[kind]
+            cases[name] = store_order(compile_(asm="ttir", **kw)[0], [n for n in fn.arg_names if n.endswith("_ptr")])
+        print(json.dumps({"triton": triton.__version__, "ptxas": found, "cases": cases}))
         return
     if args[:1] == ["--json"]:
         out = {}
