@@ -1,5 +1,5 @@
-"""The order of the CUDA kernels' stores against their reductions (the per-token kernel, the rows kernel), read from its Triton IR compiled for sm_90
-without a GPU (``tools/ptxas_info.py --store-order``).
+"""The order of the CUDA kernels' stores against their reductions (the per-token kernel, the rows kernel), read
+from their Triton IR compiled for sm_90 without a GPU (``tools/ptxas_info.py --store-order``).
 
 A program may overwrite memory it reads only after every warp has loaded its copy: a row tensor can be held by
 several warps at once (a replicated layout: 128 columns over 256 threads put each element in two), and what
