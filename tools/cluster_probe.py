@@ -33,11 +33,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from plan_variants import save  # noqa: E402  (tools/, this script's directory)
+from plan_variants import options, save  # noqa: E402  (tools/, this script's directory)
 
 from k3_ops.backends import cuda  # noqa: E402
 from k3_ops.bench import floor, mix  # noqa: E402
-from k3_ops.bench.common import Ops, Options  # noqa: E402
+from k3_ops.bench.common import Ops  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 #: name: (exchange mode, every load issued before any conversion)
@@ -302,7 +302,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     ops = variants(build())
     checked = check(ops)
-    result = mix.run(Options(refs=False, rep_ms=10, layouts=["token"], tokens=[1, 4, 16], blocks=[1, 4, 8]), ops=ops)
+    result = mix.run(options(tokens=[1, 4, 16], blocks=[1, 4, 8]), ops=ops)
     result["equal_bits"] = checked
     save(result, os.path.join(args.out, "cluster_probe_mix.json"), "mix")
 

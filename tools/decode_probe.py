@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from plan_variants import save  # noqa: E402  (tools/, this script's directory)
+from plan_variants import options, save  # noqa: E402  (tools/, this script's directory)
 
 from k3_ops import reference  # noqa: E402
 from k3_ops.backends.cuda import pdl_enabled  # noqa: E402
@@ -202,11 +202,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
     acc = accuracy(device)
-    result = mix.run(Options(refs=False, rep_ms=10, layouts=["token"], tokens=TOKENS, blocks=BLOCKS), ops=VARIANTS)
+    result = mix.run(options(tokens=TOKENS, blocks=BLOCKS), ops=VARIANTS)
     result["accuracy"] = acc
     fused_ops = {n: o for n, o in VARIANTS.items() if o.fused is not None}
-    fused_result = fused.run(Options(refs=False, rep_ms=10, layouts=["token"], tokens=TOKENS, blocks=BLOCKS),
-                             ops=fused_ops)
+    fused_result = fused.run(options(tokens=TOKENS, blocks=BLOCKS), ops=fused_ops)
     layer_result = layer.run(Options(refs=False, rep_ms=10), ops={"table": VARIANTS["table"],
                                                                   "tile_k013": _layer_variant()})
     for section, res in (("mix", result), ("fused", fused_result), ("layer", layer_result)):

@@ -115,6 +115,12 @@ SECTIONS = {
 }
 
 
+def options(**grid) -> Options:
+    """The bench options of every same-run comparison in tools/: no reference rows, 10 ms per measurement,
+    token-major buffers (``grid``: tokens, blocks, ...)."""
+    return Options(refs=False, rep_ms=10, layouts=["token"], **grid)
+
+
 def save(result: dict, path: str, label: str) -> None:
     """Write one section's result as JSON and print its rows, one line each: '<label> T= K= <name>=<us> ...'."""
     with open(path, "w") as f:
@@ -136,7 +142,7 @@ def main() -> None:
     for name in args.sections or list(SECTIONS):
         ops, grid, modules = SECTIONS[name]
         for module in modules:
-            result = module.run(Options(refs=False, rep_ms=10, layouts=["token"], **grid), ops=ops)
+            result = module.run(options(**grid), ops=ops)
             section = result["section"]
             save(result, os.path.join(args.out, f"plan_variants_{name}_{section}.json"), f"{name} {section}")
 
