@@ -124,10 +124,12 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         p_v = tl.exp(s_v - m)
         acc = tl.sum(p.to(tl.float32)[:, None] * x, axis=0) + p_v.to(tl.float32) * vf
         mix = acc / (tl.sum(p, axis=0) + p_v).to(tl.float32)
-        if FUSED and INPLACE_PREFIX and HAS_ADDEND:
-            # After the prefix row's reduction (see above): every warp has read the row it overwrites.
-            tl.store(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED),
-                     v.to(prefix_ptr.dtype.element_ty), mask=hmask)
+        if FUSED and INPLACE_PREFIX:
+            # After the prefix row's reduction (see above): every warp has read the row it overwrites. The
+            # snapshot is stored above (SNAPSHOT False here); without an addend nothing is stored.
+            _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt,
+                                  stride_ph, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND,
+                                  False, INPLACE_PREFIX)
     else:
         m = _acc_full([], -float("inf"), ACC64)
         l_sum = _acc_full([], 0.0, ACC64)
