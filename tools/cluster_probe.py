@@ -26,14 +26,13 @@ Usage, on the GPU machine: python tools/cluster_probe.py [--out DIR]
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from plan_variants import options, save  # noqa: E402  (tools/, this script's directory)
+from plan_variants import options, output_dir, save  # noqa: E402  (tools/, this script's directory)
 
 from k3_ops.backends import cuda  # noqa: E402
 from k3_ops.bench import floor, mix  # noqa: E402
@@ -296,15 +295,12 @@ def check(ops: dict[str, Ops]) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=".")
-    args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    out = output_dir(__doc__)
     ops = variants(build())
     checked = check(ops)
     result = mix.run(options(tokens=[1, 4, 16], blocks=[1, 4, 8]), ops=ops)
     result["equal_bits"] = checked
-    save(result, os.path.join(args.out, "cluster_probe_mix.json"), "mix")
+    save(result, os.path.join(out, "cluster_probe_mix.json"), "mix")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Usage, on the GPU machine: python tools/decode_probe.py [--out DIR]
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -26,7 +25,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from plan_variants import options, save  # noqa: E402  (tools/, this script's directory)
+from plan_variants import options, output_dir, save  # noqa: E402  (tools/, this script's directory)
 
 from k3_ops import reference  # noqa: E402
 from k3_ops.backends.cuda import pdl_enabled  # noqa: E402
@@ -196,10 +195,7 @@ def accuracy(device: torch.device) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=".")
-    args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    out = output_dir(__doc__)
     device = torch.device("cuda")
     acc = accuracy(device)
     result = mix.run(options(tokens=TOKENS, blocks=BLOCKS), ops=VARIANTS)
@@ -209,7 +205,7 @@ def main() -> None:
     layer_result = layer.run(Options(refs=False, rep_ms=10), ops={"table": VARIANTS["table"],
                                                                   "tile_k013": _layer_variant()})
     for section, res in (("mix", result), ("fused", fused_result), ("layer", layer_result)):
-        save(res, os.path.join(args.out, f"decode_probe_{section}.json"), section)
+        save(res, os.path.join(out, f"decode_probe_{section}.json"), section)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,16 @@ SECTIONS = {
 }
 
 
+def output_dir(doc: str) -> str:
+    """The probes' command line (``--out DIR``, default "."): the directory, created; ``doc``: the script's
+    docstring, whose first line describes it."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--out", default=".", help="directory for the JSON files")
+    out = p.parse_args().out
+    os.makedirs(out, exist_ok=True)
+    return out
+
+
 def options(**grid) -> Options:
     """The bench options of every same-run comparison in tools/: no reference rows, 10 ms per measurement,
     token-major buffers (``grid``: tokens, blocks, ...)."""
