@@ -4,14 +4,23 @@
 // bandwidth and latency, not the device's. Here a token is split over a cluster of CS CTAs (CS = 2, 4 or 8), each
 // holding H / CS columns of every candidate in registers (one 16-byte vector per thread and row, all loads in
 // flight at once). The per-candidate partial statistics (sum v^2, <v, w>) are exchanged through distributed shared
-// memory: each CTA writes its partials into its own shared memory, the cluster barrier publishes them, and every
-// CTA sums all CS partials in rank order (so all ranks compute identical scores), takes the softmax and writes its
-// columns of the output. No workspace, no global barrier, nothing shared between launches: concurrent calls on any
+// memory, pushed: each CTA stores its partials into its slot of every rank's inbox, one split cluster barrier
+// (arrive.release, wait.acquire) publishes them, and every CTA sums its own inbox's CS partials in rank order (so
+// all ranks compute identical scores), takes the softmax and writes its columns of the output. No workspace, no global barrier, nothing shared between launches: concurrent calls on any
 // streams are independent. Numerics: FP32 throughout (the score as the Triton kernels compute it: correctly rounded
 // sqrt and reciprocal); the summation order differs from theirs, so bits differ, within the accuracy contract.
 //
 // The fused calls run here too (addend, new_prefix or in-place prefix, snapshot, output RMSNorm), so that their mix
-// is attn_res's bit for bit on every path. The norm's sum of squares is a second exchange of one partial per CTA.
+// is attn_res's bit for bit on every path. The norm's sum of squares is a second exchange of one partial per CTA,
+// the FP8 scale's max a third, each into an inbox of its own.
+//
+// Why push: reading the ranks' partials after the barrier (pull) costs a remote load's round trip after it, and a
+// second barrier before exit, so that no CTA frees shared memory another still reads. Pushed, the remote traffic
+// is stores ahead of the barrier, only local reads follow it, and no barrier is needed at exit: every store into a
+// CTA's inbox is released before an arrive that CTA waits for. Each inbox is written once per launch, so no
+// exchange waits for the previous one's readers. DSMEM may only be written once the target CTA runs: a relaxed
+// arrive at entry, waited for just before the first remote store (long satisfied by then). Same sums in the same
+// order as pull, so the same bits; tools/cluster_probe.py times the two side by side.
 //
 // Loads: everything a thread reads (the weights, the K block rows, the prefix, the addend, the output norm's weight)
 // is fetched before anything is converted (attn_res_vec.h, fetch8). What that buys is the output norm's weight:
@@ -55,12 +64,13 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
   const int K = static_cast<int>(a.K);
   const int warps = (blockDim.x + 31) / 32, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   __shared__ float warp_part[32][2 * kMaxCand];
-  __shared__ float part[2 * kMaxCand];  // this CTA's (ss_i, d_i), read by every rank of the cluster
+  __shared__ float inbox[CS][2 * kMaxCand];  // rank r's (ss_i, d_i) in row r, stored by rank r
   __shared__ float total[2 * kMaxCand];
   __shared__ float warp_norm[32];
-  __shared__ float norm_part;  // this CTA's sum of squares of the output-norm input, read by every rank
-  __shared__ float amax_part;  // this CTA's max |output| for the FP8 scale, read by every rank
+  __shared__ float norm_inbox[CS];  // rank r's sum of squares of the output-norm input
+  __shared__ float amax_inbox[CS];  // rank r's max |output| for the FP8 scale
 
+  cluster_arrive_relaxed();  // "this CTA runs": waited for before the first remote store
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
   float x[kMaxCand][8];
@@ -143,16 +153,21 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
     }
   }
   __syncthreads();
+  float mine = 0.f;
   if (threadIdx.x < 2 * kMaxCand) {
-    float s = 0.f;
-    for (int q = 0; q < warps; ++q) s += warp_part[q][threadIdx.x];
-    part[threadIdx.x] = s;
+    for (int q = 0; q < warps; ++q) mine += warp_part[q][threadIdx.x];
   }
-  cluster.sync();  // every rank's partials written and visible cluster-wide
+  cluster_wait_acquire();  // every CTA of the cluster runs: its shared memory may be written
+  if (threadIdx.x < 2 * kMaxCand) {
+#pragma unroll
+    for (int r = 0; r < CS; ++r) cluster.map_shared_rank(&inbox[rank][0], r)[threadIdx.x] = mine;
+  }
+  cluster_arrive_release();
+  cluster_wait_acquire();  // every rank's partials are in this CTA's inbox
   if (threadIdx.x < 2 * kMaxCand) {
     float s = 0.f;
 #pragma unroll
-    for (int r = 0; r < CS; ++r) s += cluster.map_shared_rank(part, r)[threadIdx.x];
+    for (int r = 0; r < CS; ++r) s += inbox[r][threadIdx.x];
     total[threadIdx.x] = s;
   }
   __syncthreads();
@@ -190,11 +205,12 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
       }
     }
     sq = cta_sum(sq, warp_norm, warps, lane, warp);
-    if (threadIdx.x == 0) norm_part = sq;
-    cluster.sync();  // every rank's sum of squares visible (and every rank done reading the statistics)
+    if (threadIdx.x < CS) *cluster.map_shared_rank(&norm_inbox[rank], static_cast<int>(threadIdx.x)) = sq;
+    cluster_arrive_release();
+    cluster_wait_acquire();  // every rank's sum of squares is in this CTA's inbox
     float ss = 0.f;
 #pragma unroll
-    for (int r = 0; r < CS; ++r) ss += *cluster.map_shared_rank(&norm_part, r);
+    for (int r = 0; r < CS; ++r) ss += norm_inbox[r];
     // torch's rms_norm order, (y * rsqrt(mean(y^2) + eps)) * weight; the rsqrt correctly rounded (as _norm_scale).
     const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fdiv_rn(ss, static_cast<float>(a.H)) +
                                                    static_cast<float>(a.out_eps)));
@@ -210,9 +226,10 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
       amax = fmaxf(amax, fabsf(acc[j]));
     }
     amax = cta_max(active ? amax : 0.f, warp_norm, warps, lane, warp);
-    if (threadIdx.x == 0) amax_part = amax;
-    cluster.sync();  // every rank's max visible (and every rank done reading the norm's partials)
-    for (int r = 0; r < CS; ++r) amax = fmaxf(amax, *cluster.map_shared_rank(&amax_part, r));
+    if (threadIdx.x < CS) *cluster.map_shared_rank(&amax_inbox[rank], static_cast<int>(threadIdx.x)) = amax;
+    cluster_arrive_release();
+    cluster_wait_acquire();  // every rank's max is in this CTA's inbox
+    for (int r = 0; r < CS; ++r) amax = fmaxf(amax, amax_inbox[r]);
     const float fp8_max = static_cast<float>(a.fp8_max);
     const float scale = __fdiv_rn(fmaxf(amax, 1e-10f), fp8_max);
     if (active) {
@@ -229,7 +246,7 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
   } else if (active) {
     store8(static_cast<IO*>(a.out) + t * a.H + col, acc);
   }
-  cluster.sync();  // no CTA leaves (freeing its shared memory) while another may still read its partials
+  // No barrier at exit: every remote store into this CTA's inboxes was released before an arrive it has waited for.
 #endif
 }
 

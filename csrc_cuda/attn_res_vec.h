@@ -1,6 +1,6 @@
 // Device helpers of the CUDA C++ forward kernels (attn_res_cluster.cu, attn_res_stream.cu): 16-byte vector loads
 // (split into fetch and unpack) and stores of 8 elements converted to / from FP32, CTA-wide reductions, the e4m3
-// encoding. Included by .cu files only (device code).
+// encoding, the split cluster barrier. Included by .cu files only (device code).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -140,6 +140,29 @@ __device__ __forceinline__ void store8(T* p, const float (&y)[8]) {
 #pragma unroll
   for (int j = 0; j < 8; ++j) v[j] = from_float<T>(y[j]);
   *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// The cluster barrier split into its two halves (sm_90 PTX barrier.cluster), so that a CTA signals "my stores are
+// done" (arrive) and waits for the others (wait) as two steps, with its own work between them. Every thread of
+// every CTA of the cluster runs the same sequence of arrives and waits (.aligned: never in a divergent branch).
+// arrive_relaxed orders nothing (the "every CTA has started" phase, before any distributed-shared-memory access);
+// arrive_release orders this thread's earlier stores, local and remote, before the arrive; wait_acquire makes every
+// store released by the phase's arrives visible to this thread. Below sm_90 they compile to nothing: the kernels
+// that call them trap there (attn_res_cluster.cu).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
 }
 
 }  // namespace k3_ops::cuda::device

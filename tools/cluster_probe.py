@@ -8,13 +8,14 @@ statistics and mix in forms that differ only in the exchange and in the order of
 the table and the floor kernel (k3_ops/bench/floor.py) in one run of the mix section (graph replay, NaN in unused
 slots). Exchanges:
 
-- ``pull``: the library's: each CTA writes its partials to its own shared memory, ``cluster.sync()``, every CTA
-  reads all ranks' partials (DSMEM loads), and a second ``cluster.sync()`` before exit so that no CTA frees shared
-  memory another still reads.
-- ``push``: each CTA stores its partials into every rank's inbox (DSMEM stores), then one split cluster barrier
-  (arrive.release / wait.acquire) and only local reads after it, so no barrier at exit; the "every CTA has
-  started" rule for DSMEM is a relaxed arrive at entry, waited for just before the remote stores (by then long
-  satisfied). Same sums in the same order as ``pull``.
+- ``pull``: the library's before the push exchange: each CTA writes its partials to its own shared memory,
+  ``cluster.sync()``, every CTA reads all ranks' partials (DSMEM loads), and a second ``cluster.sync()`` before
+  exit so that no CTA frees shared memory another still reads.
+- ``push``: the library's now (attn_res_cluster.cu, with its barrier helpers from attn_res_vec.h): each CTA stores
+  its partials into every rank's inbox (DSMEM stores), then one split cluster barrier (arrive.release /
+  wait.acquire) and only local reads after it, so no barrier at exit; the "every CTA has started" rule for DSMEM
+  is a relaxed arrive at entry, waited for just before the remote stores (by then long satisfied). Same sums in
+  the same order as ``pull``.
 - ``none_cluster``: no exchange at all (each CTA's softmax over its own partials: wrong output, timing only), still
   launched as clusters of 8; ``none_grid``: the same without the cluster attribute (8 independent CTAs per token).
 
@@ -58,16 +59,6 @@ using namespace k3_ops::cuda::device;
 constexpr int kMaxCand = 9;
 constexpr int kCS = 8;
 
-__device__ __forceinline__ void arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wait_acquire() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
 // MODE 0 pull, 1 push, 2 and 3 no exchange (3 is launched without clusters); kBatched: every load before any use.
 template <int MODE, bool kBatched>
 __global__ void __launch_bounds__(512) probe_kernel(const __nv_bfloat16* prefix, const __nv_bfloat16* blocks,
@@ -84,7 +75,7 @@ __global__ void __launch_bounds__(512) probe_kernel(const __nv_bfloat16* prefix,
   __shared__ float part[2 * kMaxCand];
   __shared__ float inbox[kCS][2 * kMaxCand];
   __shared__ float total[2 * kMaxCand];
-  if constexpr (MODE == 1) arrive_relaxed();  // "this CTA runs": waited for before the first remote store
+  if constexpr (MODE == 1) cluster_arrive_relaxed();  // "this CTA runs": waited for before the first remote store
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
   float x[kMaxCand][8];
@@ -163,13 +154,13 @@ __global__ void __launch_bounds__(512) probe_kernel(const __nv_bfloat16* prefix,
     }
   } else if constexpr (MODE == 1) {
     cg::cluster_group cluster = cg::this_cluster();
-    wait_acquire();  // every CTA of the cluster has started: its shared memory may be written
+    cluster_wait_acquire();  // every CTA of the cluster has started: its shared memory may be written
     if (threadIdx.x < 2 * kMaxCand) {
 #pragma unroll
       for (int r = 0; r < kCS; ++r) cluster.map_shared_rank(&inbox[rank][0], r)[threadIdx.x] = mine;
     }
-    arrive_release();
-    wait_acquire();  // every rank's partials are in this CTA's inbox; nobody touches it again
+    cluster_arrive_release();
+    cluster_wait_acquire();  // every rank's partials are in this CTA's inbox; nobody touches it again
     if (threadIdx.x < 2 * kMaxCand) {
       float s = 0.f;
 #pragma unroll
