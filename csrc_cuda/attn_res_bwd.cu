@@ -38,8 +38,13 @@
 
 #include <cmath>
 
+#include "warp_reduce.h"
+
 namespace k3_ops::cuda {
 namespace {
+
+using device::butterfly_index;
+using device::warp_sum_transposed;
 
 constexpr int kWarpSize = 32;
 constexpr int kMaxThreads = 1024;
@@ -113,57 +118,6 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
-// Sum N per-lane values over the warp with a transposing butterfly: at each of the first log2(N) levels a lane
-// keeps half of its values and receives its partner's copies of them, so the whole reduction costs about N
-// shuffles instead of 5 N. Returns this lane's total, of value index butterfly_index<N>(lane); the 32 / N lanes
-// that share an index hold the same total. FP32 throughout: each total is a 5-level tree over lanes of 8- or
-// 16-element in-thread sums, a shorter FP32 chain than the eager formula's (the FP64 sum starts across warps).
-// A register select the compiler cannot turn into a select of addresses: `c ? v[i] : v[j]` on a local array
-// becomes a load from a run-time index, which puts the whole array in local memory.
-__device__ __forceinline__ float select(bool c, float a, float b) {
-  float r;
-  asm("{\n .reg .pred p;\n setp.ne.s32 p, %3, 0;\n selp.f32 %0, %1, %2, p;\n}"
-      : "=f"(r)
-      : "f"(a), "f"(b), "r"(static_cast<int>(c)));
-  return r;
-}
-
-// One level of the transposing butterfly: HALF values kept, exchanged with the lane at distance 32 HALF / N.
-// A template per level, so that every loop has a compile-time trip count (a loop ptxas cannot fully unroll
-// would index v at run time and put it in local memory).
-template <int N, int HALF>
-__device__ __forceinline__ void butterfly_level(float (&v)[N], int lane) {
-  constexpr int kOffset = kWarpSize * HALF / N;
-  const bool upper = lane & kOffset;
-#pragma unroll
-  for (int j = 0; j < HALF; ++j) {
-    const float send = select(upper, v[j], v[j + HALF]);
-    const float keep = select(upper, v[j + HALF], v[j]);
-    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, kOffset);
-  }
-  if constexpr (HALF > 1) butterfly_level<N, HALF / 2>(v, lane);
-}
-
-template <int N>
-__device__ __forceinline__ float warp_sum_transposed(float (&v)[N], int lane) {
-  static_assert(N >= 2 && N <= 32 && (N & (N - 1)) == 0, "N must be a power of two in [2, 32]");
-  butterfly_level<N, N / 2>(v, lane);
-  float total = v[0];
-#pragma unroll
-  for (int offset = kWarpSize / N / 2; offset >= 1; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-  return total;
-}
-
-template <int N>
-__device__ __forceinline__ int butterfly_index(int lane) {
-  int index = 0;
-#pragma unroll
-  for (int half = N / 2; half >= 1; half /= 2) {
-    if (lane & (kWarpSize * half / N)) index += half;
-  }
-  return index;
-}
-
 __device__ __forceinline__ double warp_max(double v) {
 #pragma unroll
   for (int o = kWarpSize / 2; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -184,8 +138,10 @@ __device__ __forceinline__ void accumulate_row_stats(float* part3, const uint4& 
   }
 }
 
-// Pass 1's warp step, both layouts: sum a row group's kN partials over the warp (transposing butterfly) and store
-// this warp's totals for rows r0 .. r0 + kRowsPerGroup - 1 into red[warp][3 (r - 1) + q], in FP64.
+// Pass 1's warp step, both layouts: sum a row group's kN partials over the warp (transposing butterfly,
+// warp_reduce.h) and store this warp's totals for rows r0 .. r0 + kRowsPerGroup - 1 into red[warp][3 (r - 1) + q],
+// in FP64. FP32 up to here: each total is a 5-level tree over lanes of 8- or 16-element in-thread sums, a shorter
+// FP32 chain than the eager formula's (the FP64 sum starts across warps).
 template <int kN, int MAXR>
 __device__ __forceinline__ void store_group_totals(float (&part)[kN], int lane, int warp, int r0, double* red) {
   const float total = warp_sum_transposed<kN>(part, lane);

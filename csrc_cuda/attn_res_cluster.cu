@@ -35,6 +35,7 @@
 #include <cooperative_groups.h>
 
 #include "attn_res_vec.h"
+#include "warp_reduce.h"
 
 namespace k3_ops::cuda {
 namespace {
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
   const int warps = (blockDim.x + 31) / 32, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   __shared__ float warp_part[32][2 * kMaxCand];
   __shared__ float inbox[CS][2 * kMaxCand];  // rank r's (ss_i, d_i) in row r, stored by rank r
-  __shared__ float total[2 * kMaxCand];
+  __shared__ float shared_score[kMaxCand];
   __shared__ float warp_norm[32];
   __shared__ float norm_inbox[CS];  // rank r's sum of squares of the output-norm input
   __shared__ float amax_inbox[CS];  // rank r's max |output| for the FP8 scale
@@ -76,7 +77,6 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
   float x[kMaxCand][8];
   float w[8];
   float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // the output norm's weight (fused, with the norm)
-  float ss[kMaxCand], d[kMaxCand];
   if (active) {
     // Every load in flight before any is used (attn_res_vec.h, fetch8): the weights, the K block rows, the prefix,
     // the addend and the output norm's weight (held converted across the exchange: 8 registers), then the
@@ -127,6 +127,10 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
       }
     }
   }
+  // This thread's (ss_i, d_i), then their warp sums (warp_reduce.h: 20 shuffles for the 18 values, not 90; the
+  // kernel is bound by its instructions' latency, one warp per scheduler, and shuffles are its second stall). Lane
+  // l holds the total of value butterfly_index(l), the plain butterfly's bits.
+  float part[2 * kMaxCand];
 #pragma unroll
   for (int i = 0; i < kMaxCand; ++i) {
     float s = 0.f, dd = 0.f;
@@ -137,21 +141,12 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
         dd = fmaf(x[i][j], w[j], dd);
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-      s += __shfl_xor_sync(0xffffffffu, s, off);
-      dd += __shfl_xor_sync(0xffffffffu, dd, off);
-    }
-    ss[i] = s;
-    d[i] = dd;
+    part[2 * i] = s;
+    part[2 * i + 1] = dd;
   }
-  if (lane == 0) {
-#pragma unroll
-    for (int i = 0; i < kMaxCand; ++i) {
-      warp_part[warp][2 * i] = ss[i];
-      warp_part[warp][2 * i + 1] = d[i];
-    }
-  }
+  const float warp_total = warp_sum_transposed<2 * kMaxCand>(part, lane);
+  const int part_index = butterfly_index<2 * kMaxCand>(lane);
+  if (part_index < 2 * kMaxCand) warp_part[warp][part_index] = warp_total;
   __syncthreads();
   float mine = 0.f;
   if (threadIdx.x < 2 * kMaxCand) {
@@ -164,22 +159,27 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
   }
   cluster_arrive_release();
   cluster_wait_acquire();  // every rank's partials are in this CTA's inbox
-  if (threadIdx.x < 2 * kMaxCand) {
-    float s = 0.f;
+  // Scores (the prefix is candidate K, kept in slot kMaxCand - 1), one per thread of the first kMaxCand, shared:
+  // computed in every thread, the correctly rounded sqrt and reciprocal were 9 x 2 instruction sequences each.
+  if (threadIdx.x < kMaxCand) {
+    const int i = static_cast<int>(threadIdx.x);
+    float s = 0.f, dd = 0.f;
 #pragma unroll
-    for (int r = 0; r < CS; ++r) s += inbox[r][threadIdx.x];
-    total[threadIdx.x] = s;
+    for (int r = 0; r < CS; ++r) {
+      s += inbox[r][2 * i];
+      dd += inbox[r][2 * i + 1];
+    }
+    const float inv_h = 1.0f / static_cast<float>(a.H);
+    const bool valid = i < K || i == kMaxCand - 1;
+    shared_score[i] = valid ? __fdiv_rn(1.0f, __fsqrt_rn(s * inv_h + static_cast<float>(a.eps))) * dd : -INFINITY;
   }
   __syncthreads();
-  // Scores (the prefix is candidate K, kept in slot kMaxCand - 1), softmax, mix of this CTA's columns.
-  const float inv_h = 1.0f / static_cast<float>(a.H);
+  // Softmax and mix of this CTA's columns.
   float score[kMaxCand];
   float m = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kMaxCand; ++i) {
-    const bool valid = i < K || i == kMaxCand - 1;
-    score[i] = valid ? __fdiv_rn(1.0f, __fsqrt_rn(total[2 * i] * inv_h + static_cast<float>(a.eps))) * total[2 * i + 1]
-                     : -INFINITY;
+    score[i] = shared_score[i];
     m = fmaxf(m, score[i]);
   }
   float l = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
