@@ -6,7 +6,9 @@ each holding 1/8 of the columns of every candidate row, exchanging per-candidate
 distributed shared memory. This probe builds (torch.utils.cpp_extension.load_inline, sm_90) the same loads,
 statistics and mix in forms that differ only in the exchange and in the order of the loads, and times them beside
 the table and the floor kernel (k3_ops/bench/floor.py) in one run of the mix section (graph replay, NaN in unused
-slots). Exchanges:
+slots). Its statistics are the kernel's as they were before 1c4f5dc (plain warp butterflies, every thread
+computing all scores): what it isolates is the exchange and the load order, not today's instruction count.
+1c4f5dc kept the bits, so the exchanging forms still equal the table's output. Exchanges:
 
 - ``pull``: the library's before the push exchange: each CTA writes its partials to its own shared memory,
   ``cluster.sync()``, every CTA reads all ranks' partials (DSMEM loads), and a second ``cluster.sync()`` before
