@@ -6,9 +6,10 @@
 // flight at once). The per-candidate partial statistics (sum v^2, <v, w>) are exchanged through distributed shared
 // memory, pushed: each CTA stores its partials into its slot of every rank's inbox, one split cluster barrier
 // (arrive.release, wait.acquire) publishes them, and every CTA sums its own inbox's CS partials in rank order (so
-// all ranks compute identical scores), takes the softmax and writes its columns of the output. No workspace, no global barrier, nothing shared between launches: concurrent calls on any
-// streams are independent. Numerics: FP32 throughout (the score as the Triton kernels compute it: correctly rounded
-// sqrt and reciprocal); the summation order differs from theirs, so bits differ, within the accuracy contract.
+// all ranks compute identical scores), takes the softmax and writes its columns of the output. No workspace, no
+// global barrier, nothing shared between launches: concurrent calls on any streams are independent. Numerics: FP32
+// throughout (the score as the Triton kernels compute it: correctly rounded sqrt and reciprocal); the summation
+// order differs from theirs, so bits differ, within the accuracy contract.
 //
 // The fused calls run here too (addend, new_prefix or in-place prefix, snapshot, output RMSNorm), so that their mix
 // is attn_res's bit for bit on every path. The norm's sum of squares is a second exchange of one partial per CTA,
@@ -160,7 +161,7 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
   cluster_arrive_release();
   cluster_wait_acquire();  // every rank's partials are in this CTA's inbox
   // Scores (the prefix is candidate K, kept in slot kMaxCand - 1), one per thread of the first kMaxCand, shared:
-  // computed in every thread, the correctly rounded sqrt and reciprocal were 9 x 2 instruction sequences each.
+  // formed in every thread, they were 9 correctly rounded sqrt-and-reciprocal sequences in series per thread.
   if (threadIdx.x < kMaxCand) {
     const int i = static_cast<int>(threadIdx.x);
     float s = 0.f, dd = 0.f;
