@@ -54,7 +54,9 @@ __device__ __forceinline__ float warp_sum_transposed(float (&v)[N], int lane) {
 }
 
 // The value index whose total warp_sum_transposed<N> leaves in this lane, or N where the lane holds only padding.
-// Every index below N is held by 32 / N lanes when N is a power of two, by at least one lane otherwise.
+// Every index below N is held by 32 / N lanes when N is a power of two, by at least one lane otherwise. Two forms of
+// one mapping: for a power of two no lane holds padding, and the plain bit sum keeps fewer registers live (the
+// general form, which tracks how many of a lane's slots are real, cost the backward's 6-row variant a spill).
 template <int N>
 __device__ __forceinline__ int butterfly_index(int lane) {
   if constexpr ((N & (N - 1)) == 0) {
