@@ -44,18 +44,25 @@ namespace {
 namespace cg = cooperative_groups;
 using namespace device;  // NOLINT: the shared vector helpers
 
-constexpr int kMaxCand = kClusterMaxBlocks + 1;
 // Threads per CTA at most: 128 registers each for the 9 x 8 candidate values held across the exchange.
 constexpr int kClusterMaxThreads = 512;
+// The block-row counts compiled: K <= kFewBlocks takes the variant holding kFewBlocks + 1 candidates, larger K the
+// one holding kClusterMaxBlocks + 1 (attn_res_cluster.h).
+constexpr int kFewBlocks = 4;
 
 // kFused: the fused calls' code (addend, prefix stores, output norm, FP8 output), compiled out of the plain op's
 // instantiation: with it, the plain op took 4.92 against 4.71 us at T = 1, K = 8 (same run, same bits;
 // docs/data/cluster_instantiations_h200_2d35082.json).
-template <typename IO, typename NW, typename PW, int CS, bool kFused>
+// MB: the most block rows the variant holds (kFewBlocks or kClusterMaxBlocks). The kernel is bound by its
+// instruction stream's latency (docs/benchmarks.md, "Where the remaining gap goes"), and at K <= 4 the 9-candidate
+// variant still ran the absent candidates' statistics and their warp sums; every sum is the same one either way
+// (the transposing butterfly adds the plain butterfly's pairs for any count), so the bits are too.
+template <typename IO, typename NW, typename PW, int CS, int MB, bool kFused>
 __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(ClusterFwdArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters need sm_90; the launch policy never picks this kernel below it (an sm_80 build still links)
 #else
+  constexpr int kMaxCand = MB + 1;  // the prefix is candidate K, held in slot kMaxCand - 1
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int64_t t = blockIdx.x / CS;
@@ -270,8 +277,12 @@ cudaError_t launch(const ClusterFwdArgs& args, int threads, bool pdl, cudaStream
   attrs[1].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   config.attrs = attrs;
   config.numAttrs = 2;
-  return fused ? cudaLaunchKernelEx(&config, attn_res_cluster_kernel<IO, NW, PW, CS, true>, args)
-               : cudaLaunchKernelEx(&config, attn_res_cluster_kernel<IO, NW, PW, CS, false>, args);
+  if (args.K <= kFewBlocks) {
+    return fused ? cudaLaunchKernelEx(&config, attn_res_cluster_kernel<IO, NW, PW, CS, kFewBlocks, true>, args)
+                 : cudaLaunchKernelEx(&config, attn_res_cluster_kernel<IO, NW, PW, CS, kFewBlocks, false>, args);
+  }
+  return fused ? cudaLaunchKernelEx(&config, attn_res_cluster_kernel<IO, NW, PW, CS, kClusterMaxBlocks, true>, args)
+               : cudaLaunchKernelEx(&config, attn_res_cluster_kernel<IO, NW, PW, CS, kClusterMaxBlocks, false>, args);
 }
 
 template <typename IO, typename NW, typename PW>

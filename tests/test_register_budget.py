@@ -203,19 +203,28 @@ def test_cuda_cpp_stream_variants_fit_two_ctas_per_sm_without_local_memory(strea
 # The CUDA C++ cluster forward (csrc_cuda/attn_res_cluster.cu), compiled the same way.
 # --------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def cluster_budget(tmp_path_factory) -> dict[tuple[str, int, bool], dict[str, int]]:
-    """ptxas -v of every cluster variant, keyed (template arguments, cluster size, fused)."""
-    # ..._cluster_kernelI13__nv_bfloat16S3_S3_Li8ELb1EE... (io, nw, pw dtypes, CS, fused)
-    return _nvcc_resources("attn_res_cluster.cu", tmp_path_factory, r"\w*cluster_kernelI(\w+?)Li(\d+)ELb([01])E",
-                           lambda m: (m.group(1), int(m.group(2)), m.group(3) == "1"))
+def cluster_budget(tmp_path_factory) -> dict[tuple[str, int, int, bool], dict[str, int]]:
+    """ptxas -v of every cluster variant, keyed (template arguments, cluster size, most block rows, fused)."""
+    # ..._cluster_kernelI13__nv_bfloat16S3_S3_Li8ELi4ELb1EE... (io, nw, pw dtypes, CS, MB, fused)
+    return _nvcc_resources("attn_res_cluster.cu", tmp_path_factory,
+                           r"\w*cluster_kernelI(\w+?)Li(\d+)ELi(\d+)ELb([01])E",
+                           lambda m: (m.group(1), int(m.group(2)), int(m.group(3)), m.group(4) == "1"))
 
 
 def test_cuda_cpp_cluster_variants_keep_their_rows_in_registers(cluster_budget):
-    # 2 io dtypes x 3 x 3 weight dtypes x cluster sizes {2, 4, 8} x {plain, fused}. The launch bound (512 threads)
-    # allows 128 registers per thread; a thread holds 9 candidates x 8 columns in FP32 across the exchange, and all
-    # of its loads are in flight at once (fetch8), so a spill or a stack frame would put rows in local memory.
-    # nvcc 13.0: 126-128 registers, no spills.
-    assert len(cluster_budget) == 108, sorted(cluster_budget)
+    # 2 io dtypes x 3 x 3 weight dtypes x cluster sizes {2, 4, 8} x most block rows {4, 8} x {plain, fused}. The
+    # launch bound (512 threads) allows 128 registers per thread; a thread holds MB + 1 candidates x 8 columns in
+    # FP32 across the exchange, and all of its loads are in flight at once (fetch8), so a spill or a stack frame
+    # would put rows in local memory. nvcc 13.0: 111-126 registers at MB = 8, 71-94 at MB = 4, no spills.
+    assert len(cluster_budget) == 216, sorted(cluster_budget)
     for key, r in cluster_budget.items():
         assert 0 < r["regs"] <= 128, (key, r)
         assert r.get("stack", 0) == 0 and r.get("spill_stores", 0) == 0 and r.get("spill_loads", 0) == 0, (key, r)
+
+
+def test_cuda_cpp_cluster_few_block_variants_hold_fewer_registers(cluster_budget):
+    # The variant for K <= 4 exists to drop the absent candidates' values and statistics: it must hold fewer
+    # registers than the 9-candidate variant of the same arguments, or it buys nothing.
+    for (args, cs, mb, fused), r in cluster_budget.items():
+        if mb == 4:
+            assert r["regs"] < cluster_budget[(args, cs, 8, fused)]["regs"], (args, cs, fused, r)
