@@ -194,7 +194,8 @@ def warm():
 @pytest.mark.cuda
 @pytest.mark.parametrize("op", ["plain", "fused"])
 @pytest.mark.parametrize("K", [1, 2, 4, 8], ids=lambda k: f"K{k}")
-@pytest.mark.parametrize("T", [1, 4, 8, 33, 64, 4100], ids=lambda t: f"T{t}")  # 4100: K >= 3 stream
+# The cluster kernel with 8 CTAs per token (T <= 8), 4 (T = 24) and 2 (T = 33, 64, K = 8); 4100: K >= 3 stream.
+@pytest.mark.parametrize("T", [1, 4, 8, 24, 33, 64, 4100], ids=lambda t: f"T{t}")
 def test_two_streams_replay_concurrently(warm, op, T, K):
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     graphs = [_Captured(op, T, K, seed=1, capture_stream=s1), _Captured(op, T, K, seed=2, capture_stream=s2)]
@@ -214,8 +215,8 @@ def test_same_stream_capture_two_stream_replay(warm, op, T, K):
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("op", ["plain", "fused"])
-@pytest.mark.parametrize("T,K", [(1, 1), (1, 8), (64, 8), (512, 8), (4100, 8)],
-                         ids=["T1-K1", "T1-K8", "T64-K8", "T512-K8", "T4100-K8"])
+@pytest.mark.parametrize("T,K", [(1, 1), (1, 4), (1, 8), (24, 4), (64, 8), (512, 8), (4100, 8)],
+                         ids=["T1-K1", "T1-K4", "T1-K8", "T24-K4", "T64-K8", "T512-K8", "T4100-K8"])
 def test_pdl_chain_matches_without_pdl(op, T, K, monkeypatch):
     """A captured chain in which each call consumes its predecessor's output: with PDL a launch may start while
     its predecessor drains, so a read before the dependency wait would show as different bits."""

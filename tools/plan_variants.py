@@ -21,6 +21,13 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
 - one_tile: the per-token kernel with every block row in one tile and the prefix beside it (rows_per_tile 0,
   8 warps) at T <= 256 and K <= 4, plain and fused, T = 1, 8, 16, 64, 128, 256, K = 1..4.
 - layer_one_tile: the layer schedule with that plan at T <= 256 and K <= 4.
+- cluster_wide: the cluster kernel (8, 4 or 2 CTAs per token) at every K = 1..8 up to 512 tokens, the table's own
+  entry as its fallback, plain and fused, T = 1..512, K = 1, 2, 4, 8.
+- layer_cluster: the layer schedule with the cluster kernel (8 or 4 CTAs per token) at every K.
+- cluster_table: the table (the cluster kernel at K = 3..4 up to 16 tokens and K = 5..8 up to 64) beside the
+  entries it had before there (the one-tile plan at K = 3..4; 4-row tiles at K = 5..8 from 17 tokens) and the
+  cluster kernel with 8, 4 and 2 CTAs per token, T = 1..64, K = 3, 4, 5, 8.
+- layer_cluster_table: the layer schedule with the table and with those entries before it.
 """
 from __future__ import annotations
 
@@ -84,6 +91,27 @@ STREAM = cuda.LaunchConfig(kernel="stream")
 ONE_TILE = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8)
 
 
+def cluster_everywhere(size: int, max_t: int = 512) -> Ops:
+    """The cluster kernel with ``size`` CTAs per token at every K >= 1 up to ``max_t`` tokens; the table's own entry
+    for (T, K) runs what it leaves (K = 0, other layouts)."""
+    def rule(T, K, f):
+        if T > max_t:
+            return None
+        own = cuda.LAUNCH_TABLE[(cuda.bucket(T, cuda.T_BUCKETS), cuda.bucket(K, cuda.K_BUCKETS))]
+        own = own.fallback if own.kernel == "cluster" and own.fallback is not None else own
+        return cuda.LaunchConfig(kernel="cluster", cluster_size=size, min_k=1, fallback=own)
+    return variant(rule)
+
+
+def previous_cluster(T: int, K: int):
+    """The entries the cluster kernel replaced at K = 3..4 up to 16 tokens and K = 5..8 at 17-64 tokens."""
+    if 3 <= K <= 4 and T <= 32:
+        return ONE_TILE
+    if 5 <= K <= 8 and 16 < T <= 64:
+        return token(4, 8)
+    return None
+
+
 def one_tile() -> Ops:
     return variant(lambda T, K, f: ONE_TILE if T <= 256 and K <= 4 else None)
 
@@ -109,6 +137,15 @@ SECTIONS = {
     "one_tile": ({"table": TABLE, "one_tile_w8": one_tile()},
                  dict(tokens=[1, 8, 16, 64, 128, 256], blocks=[1, 2, 3, 4]), (mix, fused)),
     "layer_one_tile": ({"table": TABLE, "one_tile_w8": one_tile()}, dict(tokens=[1, 8, 64, 512]), (layer,)),
+    "cluster_wide": ({"table": TABLE, **{f"cluster{n}": cluster_everywhere(n) for n in (8, 4, 2)}},
+                     dict(tokens=[1, 4, 16, 32, 64, 128, 256, 512], blocks=[1, 2, 4, 8]), (mix, fused)),
+    "layer_cluster": ({"table": TABLE, **{f"cluster{n}": cluster_everywhere(n) for n in (8, 4)}},
+                      dict(tokens=[1, 8, 64, 512]), (layer,)),
+    "cluster_table": ({"table": TABLE, "previous": variant(lambda T, K, f: previous_cluster(T, K)),
+                       **{f"cluster{n}": cluster_everywhere(n, 64) for n in (8, 4, 2)}},
+                      dict(tokens=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64], blocks=[3, 4, 5, 8]), (mix, fused)),
+    "layer_cluster_table": ({"table": TABLE, "previous": variant(lambda T, K, f: previous_cluster(T, K))},
+                            dict(tokens=[1, 8, 64, 512]), (layer,)),
     "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
                       "stream": variant(lambda T, K, f: STREAM)},
                      dict(tokens=[2048, 8192], blocks=[2, 5, 8]), (mix, fused)),

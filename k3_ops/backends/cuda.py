@@ -19,11 +19,12 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
   launch and combined by a second (a third scales the output norm). The partials live in a buffer allocated per
   call from the caching allocator, like an output.
 - **tiles** (opt-in): the Ascend kernel's two-pass algorithm on CUDA, for comparison.
-- **cluster** (the default for T <= 16 and K = 5..8): the CUDA C++ kernel of csrc_cuda/attn_res_cluster.cu,
-  each token split over a thread-block cluster of ``cluster_size`` CTAs exchanging their partial statistics through
-  distributed shared memory (sm_90+, a CUDA build of k3_ops._C, 16-bit rows, K <= 8, H a multiple of 8 x
-  cluster_size, unit hidden strides, 16-byte aligned rows; the plain op and every fused call, the output norm and
-  the FP8 output included). Everything else that a cluster entry meets runs its ``fallback`` entry.
+- **cluster** (the default for K = 5..8 up to 64 tokens, K = 3..4 up to 32, K = 2 up to 4): the CUDA C++
+  kernel of csrc_cuda/attn_res_cluster.cu, each token split over a thread-block cluster of ``cluster_size``
+  CTAs exchanging their partial statistics through distributed shared memory (sm_90+, a CUDA build of
+  k3_ops._C, 16-bit rows, K <= 8, H a multiple of 8 x cluster_size, unit hidden strides, 16-byte aligned rows;
+  the plain op and every fused call, the output norm and the FP8 output included). Everything else that a
+  cluster entry meets runs its ``fallback`` entry.
 - **stream** (the default for K = 5..8 above 2048 tokens and K = 3..4 above 4096): the CUDA C++ kernel of
   csrc_cuda/attn_res_stream.cu: two persistent 4-warp CTAs per SM, each thread owning H / 128 columns of every row,
   the rows of the CTA's tokens streamed one at a time through a shared-memory ring (cp.async) with an online
@@ -270,7 +271,8 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     # - T <= 4, K = 5..8: the split path: more SMs per token than one program can use, its partials in a per-call
     #   buffer between two launches (T = 1, K = 8: 4.7 us against 5.7 for the best per-token tile; at K = 4 the
     #   split's second launch costs more than it saves: 5.4 us against 4.0).
-    # - K <= 4 up to 256 tokens: one program per token, every block row in one tile (next_pow2(K) rows) with the
+    # - K <= 4 up to 256 tokens (but the cluster entries below, and where the cluster kernel cannot run): one
+    #   program per token, every block row in one tile (next_pow2(K) rows) with the
     #   prefix row beside it, 8 warps, no loop (``rows_per_tile`` 0); the fused call stores new_prefix and the
     #   snapshot at their load. Same run (tools/plan_variants.py one_tile, at 9d8ab42) against the entries before
     #   it (K = 1..2: tiles of K rows, 8 warps, up to 128 tokens; K = 3..4: 4-row tiles, 8 warps; 129-256 tokens:
@@ -286,7 +288,7 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   42.92 us, the plain op 25.40 against 25.11; at T = 1024 / 2048 the fused call 68.29 / 133.72 against 81.23 /
     #   157.46 but the plain op 47.13 / 89.12 against 46.51 / 89.12, and at K <= 4 the plain op loses 4-10 %: the
     #   rows kernel stays there.
-    # - K >= 5 at 17-128 tokens (K = 5..8 at 1-16 tokens where the cluster kernel cannot run): one program per
+    # - K >= 5 at 65-128 tokens (K = 5..8 at 1-64 tokens where the cluster kernel cannot run): one program per
     #   token, tiles of 4 block rows, 8 warps, no software pipelining (a tile's 4 rows are already in flight
     #   together; a second stage only adds shared-memory traffic).
     # - Large T: the persistent rows kernel with 4 warps: its [8192]-wide FP32 accumulator, weight and current row
@@ -294,14 +296,17 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 /
     #   0.826 of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the
     #   plan, spills 80-132 bytes pipelined (triton 3.6-3.9) against ~1 KB with prefetch 1 (tools/ptxas_info.py).
-    # - K = 5..8 at 1-16 tokens: the cluster kernel (csrc_cuda/attn_res_cluster.cu, 8 CTAs per token) for the
-    #   plain op and every fused call on 16-byte rows (so that a fused call's mix is the plain op's bit for bit);
-    #   other layouts take the entry the table had before it (``fallback``). The fused call with its output norm,
-    #   same run: T = 1 / 8, K = 5 5.99 / 6.07 us against 6.05 / 7.23 on the fallback; K = 8 6.50 / 6.62 against
-    #   6.96 / 7.47. The plain op, same-run
-    #   sweep at 0c2fc76: K = 5..7 4.26-5.08 us against 4.96-5.84 for the split / token entries; K = 8 at T = 8 /
-    #   16 4.87 / 5.27 against 5.85 / 5.93 (token), at T <= 4 4.74-4.77 against 4.68-4.78 (split, a tie; at c330fde
-    #   4.64-4.68 against 4.74-5.06). It loses at K <= 4 (one SM per token is faster there) and from T = 32 on.
+    # - The cluster kernel (csrc_cuda/attn_res_cluster.cu) for K = 5..8 up to 64 tokens, K = 3..4 up to 32 and
+    #   K = 2 up to 4, for the plain op and every fused call on 16-byte rows (so that a fused call's mix is the plain
+    #   op's bit for bit); other layouts take the entry the table had before it (``fallback``). Same run
+    #   (tools/plan_variants.py cluster_table and cluster_wide, docs/data/cluster_table_*), against those entries:
+    #   K = 5..8 at 17-64 tokens (4-row tiles before) the plain op 3.21-4.71 us against 5.76-6.32, the fused call
+    #   with its output norm 4.51-6.12 against 7.34-7.98; K = 3..4 up to 32 tokens (one tile before) the plain op
+    #   2.36-3.27 against 3.11-3.39, the fused call 3.54-3.90 against 4.21-4.44 (but T = 32: 4.69-4.88 against
+    #   4.43-4.46); K = 2 at T <= 4 2.30-2.32 against 2.44-2.47, fused 3.50 against 3.61-3.63. It loses at K = 1
+    #   at every T (T = 1: 2.36 against 1.92 us plain, 3.49 against 3.14 fused), at K = 2 from 16 tokens, at K <= 4
+    #   from 64 tokens and at K = 5..8 from 128 (T = 128, K = 8: 9.09 against 7.30 with 2 CTAs per token, whose
+    #   448-thread CTAs at about 120 registers fit one per SM).
     # - K = 5..8 above 2048 tokens and K = 3..4 above 4096: the streaming kernel (csrc_cuda/attn_res_stream.cu),
     #   rows through a shared-memory ring, each thread's columns of the mix in registers and the output norm's
     #   weight in shared memory (the rows kernel's fused epilogue spills). Same run against the rows kernel: the
@@ -311,12 +316,19 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   46.6); at T = 4096, K = 4 the plain op ties (103.4 against 102.6), and at K = 1 it loses at every T.
     if (t_bucket > 2048 and k_bucket == 8) or (t_bucket > 4096 and k_bucket == 4):
         return LaunchConfig(kernel="stream", min_k=3, fallback=ROWS_CONFIG)
-    if t_bucket <= 16 and k_bucket == 8:
+    # The cluster entries: the CTAs per token fall as the tokens grow (8 up to 8 tokens, 4 up to 32, 2 up to 64):
+    # an 8-CTA cluster must fit in one GPC, and fewer of them than 16 tokens' fit at once (T = 12 / 16, K = 5,
+    # plain: 8 CTAs 3.01 / 3.56 us, 4 CTAs 3.09 / 3.12).
+    size = 8 if t_bucket <= 8 else 4 if t_bucket <= 32 else 2
+    if t_bucket <= 64 and k_bucket == 8:
         before = (LaunchConfig(kernel="split", chunk=512) if t_bucket <= 4 else
                   LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
-        return LaunchConfig(kernel="cluster", cluster_size=8, min_k=5, fallback=before)
+        return LaunchConfig(kernel="cluster", cluster_size=size, min_k=5, fallback=before)
+    one_tile = LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, num_stages=1)
+    if (t_bucket <= 32 and k_bucket == 4) or (t_bucket <= 4 and k_bucket == 2):
+        return LaunchConfig(kernel="cluster", cluster_size=size, min_k=2 if k_bucket == 2 else 3, fallback=one_tile)
     if t_bucket <= 256 and k_bucket <= 4:
-        return LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, num_stages=1)
+        return one_tile
     if t_bucket <= 128:
         return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
     if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_MANY_BLOCKS and k_bucket == 8):
