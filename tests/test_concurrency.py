@@ -194,7 +194,8 @@ def warm():
 @pytest.mark.cuda
 @pytest.mark.parametrize("op", ["plain", "fused"])
 @pytest.mark.parametrize("K", [1, 2, 4, 8], ids=lambda k: f"K{k}")
-# The cluster kernel with 8 CTAs per token (T <= 8), 4 (T = 24) and 2 (T = 33, 64, K = 8); 4100: K >= 3 stream.
+# The cluster kernel with 8 CTAs per token (T <= 8; T = 24, K = 4), 4 (T = 24, K = 8) and 2 (T = 33, 64, K = 8);
+# 4100: K >= 3 stream.
 @pytest.mark.parametrize("T", [1, 4, 8, 24, 33, 64, 4100], ids=lambda t: f"T{t}")
 def test_two_streams_replay_concurrently(warm, op, T, K):
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()

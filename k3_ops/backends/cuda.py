@@ -301,9 +301,9 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   op's bit for bit); other layouts take the entry the table had before it (``fallback``). Same run
     #   (tools/plan_variants.py cluster_table and cluster_wide, docs/data/cluster_table_*), against those entries:
     #   K = 5..8 at 17-64 tokens (4-row tiles before) the plain op 3.21-4.71 us against 5.76-6.32, the fused call
-    #   with its output norm 4.51-6.12 against 7.34-7.98; K = 3..4 up to 32 tokens (one tile before) the plain op
-    #   2.36-3.27 against 3.11-3.39, the fused call 3.54-3.90 against 4.21-4.44 (but T = 32: 4.69-4.88 against
-    #   4.43-4.46); K = 2 at T <= 4 2.30-2.32 against 2.44-2.47, fused 3.50 against 3.61-3.63. It loses at K = 1
+    #   with its output norm 4.51-6.12 against 7.34-7.98; K = 3..4 up to 32 tokens (one tile before; 8 CTAs per
+    #   token) the plain op 2.36-3.10 against 3.11-3.39, the fused call 3.54-4.42 against 4.21-4.46; K = 2 at
+    #   T <= 4 2.30-2.32 against 2.44-2.47, fused 3.50 against 3.61-3.63. It loses at K = 1
     #   at every T (T = 1: 2.36 against 1.92 us plain, 3.49 against 3.14 fused), at K = 2 from 16 tokens, at K <= 4
     #   from 64 tokens and at K = 5..8 from 128 (T = 128, K = 8: 9.09 against 7.30 with 2 CTAs per token, whose
     #   448-thread CTAs at about 120 registers fit one per SM).
@@ -316,17 +316,19 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   46.6); at T = 4096, K = 4 the plain op ties (103.4 against 102.6), and at K = 1 it loses at every T.
     if (t_bucket > 2048 and k_bucket == 8) or (t_bucket > 4096 and k_bucket == 4):
         return LaunchConfig(kernel="stream", min_k=3, fallback=ROWS_CONFIG)
-    # The cluster entries: the CTAs per token fall as the tokens grow (8 up to 8 tokens, 4 up to 32, 2 up to 64):
-    # an 8-CTA cluster must fit in one GPC, and fewer of them than 16 tokens' fit at once (T = 12 / 16, K = 5,
-    # plain: 8 CTAs 3.01 / 3.56 us, 4 CTAs 3.09 / 3.12).
-    size = 8 if t_bucket <= 8 else 4 if t_bucket <= 32 else 2
+    # The cluster entries. At K = 5..8 the CTAs per token fall as the tokens grow (8 up to 8 tokens, 4 up to 32, 2
+    # up to 64): an 8-CTA cluster must fit in one GPC, and fewer of them than 16 tokens' fit at once (T = 12 / 16,
+    # K = 5, plain: 8 CTAs 3.01 / 3.56 us, 4 CTAs 3.09 / 3.12). At K <= 4 (the 5-candidate variant, fewer
+    # registers) 8 CTAs per token beat the one-tile plan at every measured T up to 32; 4 CTAs were up to 0.09 us
+    # faster at T = 16 and 0.3-0.4 us slower at T = 32 (the fused call 4.72 / 4.87 against 4.31 / 4.42 at K = 3 / 4).
     if t_bucket <= 64 and k_bucket == 8:
         before = (LaunchConfig(kernel="split", chunk=512) if t_bucket <= 4 else
                   LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
+        size = 8 if t_bucket <= 8 else 4 if t_bucket <= 32 else 2
         return LaunchConfig(kernel="cluster", cluster_size=size, min_k=5, fallback=before)
     one_tile = LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, num_stages=1)
     if (t_bucket <= 32 and k_bucket == 4) or (t_bucket <= 4 and k_bucket == 2):
-        return LaunchConfig(kernel="cluster", cluster_size=size, min_k=2 if k_bucket == 2 else 3, fallback=one_tile)
+        return LaunchConfig(kernel="cluster", cluster_size=8, min_k=2 if k_bucket == 2 else 3, fallback=one_tile)
     if t_bucket <= 256 and k_bucket <= 4:
         return one_tile
     if t_bucket <= 128:
