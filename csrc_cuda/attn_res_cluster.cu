@@ -135,9 +135,9 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
       }
     }
   }
-  // This thread's (ss_i, d_i), then their warp sums (warp_reduce.h: 20 shuffles for the 18 values, not 90; the
-  // kernel is bound by its instructions' latency, one warp per scheduler, and shuffles are its second stall). Lane
-  // l holds the total of value butterfly_index(l), the plain butterfly's bits.
+  // This thread's (ss_i, d_i), then their warp sums (warp_reduce.h: at MB = 8 20 shuffles for the 18 values, not
+  // 90; at MB = 4 12 for 10; the kernel is bound by its instructions' latency, one warp per scheduler, and shuffles
+  // are its second stall). Lane l holds the total of value butterfly_index(l), the plain butterfly's bits.
   float part[2 * kMaxCand];
 #pragma unroll
   for (int i = 0; i < kMaxCand; ++i) {
