@@ -46,17 +46,17 @@ using namespace device;  // NOLINT: the shared vector helpers
 
 // Threads per CTA at most: 128 registers each for the 9 x 8 candidate values held across the exchange.
 constexpr int kClusterMaxThreads = 512;
-// The block-row counts compiled: K <= kFewBlocks takes the variant holding kFewBlocks + 1 candidates, larger K the
-// one holding kClusterMaxBlocks + 1 (attn_res_cluster.h).
-constexpr int kFewBlocks = 4;
+// The block-row counts compiled (MB below): a call takes the smallest that holds its K, the largest being
+// kClusterMaxBlocks (attn_res_cluster.h).
 
 // kFused: the fused calls' code (addend, prefix stores, output norm, FP8 output), compiled out of the plain op's
 // instantiation: with it, the plain op took 4.92 against 4.71 us at T = 1, K = 8 (same run, same bits;
 // docs/data/cluster_instantiations_h200_2d35082.json).
-// MB: the most block rows the variant holds (kFewBlocks or kClusterMaxBlocks). The kernel is bound by its
-// instruction stream's latency (docs/benchmarks.md, "Where the remaining gap goes"), and at K <= 4 the 9-candidate
-// variant still ran the absent candidates' statistics and their warp sums; every sum is the same one either way
-// (the transposing butterfly adds the plain butterfly's pairs for any count), so the bits are too.
+// MB: the most block rows the variant holds (2, 4, 6 or kClusterMaxBlocks; pick_kernel). The kernel is bound by its
+// instruction stream's latency (docs/benchmarks.md, "Where the remaining gap goes"), and a variant holding more
+// candidates than the call has still runs the absent ones' statistics and their warp sums; every sum is the same
+// one in each variant (the transposing butterfly adds the plain butterfly's pairs for any count), so the bits are
+// too.
 template <typename IO, typename NW, typename PW, int CS, int MB, bool kFused>
 __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(ClusterFwdArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -135,9 +135,10 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
       }
     }
   }
-  // This thread's (ss_i, d_i), then their warp sums (warp_reduce.h: at MB = 8 20 shuffles for the 18 values, not
-  // 90; at MB = 4 12 for 10; the kernel is bound by its instructions' latency, one warp per scheduler, and shuffles
-  // are its second stall). Lane l holds the total of value butterfly_index(l), the plain butterfly's bits.
+  // This thread's (ss_i, d_i), then their warp sums (warp_reduce.h: 2 (MB + 1) values in 20 shuffles at MB = 8,
+  // not 90; 15 at MB = 6, 12 at MB = 4, 8 at MB = 2; the kernel is bound by its instructions' latency, one warp per
+  // scheduler, and shuffles are its second stall). Lane l holds the total of value butterfly_index(l), the plain
+  // butterfly's bits.
   float part[2 * kMaxCand];
 #pragma unroll
   for (int i = 0; i < kMaxCand; ++i) {
@@ -258,12 +259,26 @@ __global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(Cl
 #endif
 }
 
+using ClusterKernel = void (*)(ClusterFwdArgs);
+
+// The variant for a call: the fewest block rows that hold its K.
+template <typename IO, typename NW, typename PW, int CS, bool kFused>
+ClusterKernel pick_kernel(int64_t K) {
+  if (K <= 2) return attn_res_cluster_kernel<IO, NW, PW, CS, 2, kFused>;
+  if (K <= 4) return attn_res_cluster_kernel<IO, NW, PW, CS, 4, kFused>;
+  if (K <= 6) return attn_res_cluster_kernel<IO, NW, PW, CS, 6, kFused>;
+  static_assert(kClusterMaxBlocks == 8, "pick_kernel's last variant is kClusterMaxBlocks");
+  return attn_res_cluster_kernel<IO, NW, PW, CS, kClusterMaxBlocks, kFused>;
+}
+
 template <typename IO, typename NW, typename PW, int CS>
 cudaError_t launch(const ClusterFwdArgs& args, int threads, bool pdl, cudaStream_t stream) {
   // The plain op's calls take the instantiation without the fused code (a call with in-place prefix but no addend
   // changes nothing, and may take either: how the two are timed side by side).
   const bool fused = args.addend != nullptr || args.new_prefix != nullptr || args.inplace_prefix ||
                      args.write_idx >= 0 || args.out_norm_weight != nullptr || args.fp8 != Fp8Kind::kNone;
+  const ClusterKernel kernel = fused ? pick_kernel<IO, NW, PW, CS, true>(args.K)
+                                     : pick_kernel<IO, NW, PW, CS, false>(args.K);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(args.T * CS));
   config.blockDim = dim3(static_cast<unsigned>(threads));
@@ -277,12 +292,7 @@ cudaError_t launch(const ClusterFwdArgs& args, int threads, bool pdl, cudaStream
   attrs[1].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   config.attrs = attrs;
   config.numAttrs = 2;
-  if (args.K <= kFewBlocks) {
-    return fused ? cudaLaunchKernelEx(&config, attn_res_cluster_kernel<IO, NW, PW, CS, kFewBlocks, true>, args)
-                 : cudaLaunchKernelEx(&config, attn_res_cluster_kernel<IO, NW, PW, CS, kFewBlocks, false>, args);
-  }
-  return fused ? cudaLaunchKernelEx(&config, attn_res_cluster_kernel<IO, NW, PW, CS, kClusterMaxBlocks, true>, args)
-               : cudaLaunchKernelEx(&config, attn_res_cluster_kernel<IO, NW, PW, CS, kClusterMaxBlocks, false>, args);
+  return cudaLaunchKernelEx(&config, kernel, args);
 }
 
 template <typename IO, typename NW, typename PW>

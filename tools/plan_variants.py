@@ -28,6 +28,9 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
   beside the entries it had before there (the one-tile plan at K <= 4; 4-row tiles at K = 5..8 from 17 tokens) and
   the cluster kernel with 8, 4 and 2 CTAs per token, T = 1..64, K = 3, 4, 5, 8.
 - layer_cluster_table: the layer schedule with the table and with those entries before it.
+- cluster_blocks: the table alone at the cluster kernel's shapes, T = 1..64, K = 2, 4..8; run from two builds
+  side by side, it times a kernel change (the variant per block count) against the kernel before it.
+- layer_table: the layer schedule with the table alone, T = 1, 8, 64, 512 (the same use).
 """
 from __future__ import annotations
 
@@ -146,6 +149,9 @@ SECTIONS = {
                       dict(tokens=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64], blocks=[3, 4, 5, 8]), (mix, fused)),
     "layer_cluster_table": ({"table": TABLE, "previous": variant(lambda T, K, f: previous_cluster(T, K))},
                             dict(tokens=[1, 8, 64, 512]), (layer,)),
+    "cluster_blocks": ({"table": TABLE}, dict(tokens=[1, 2, 4, 8, 16, 32, 64], blocks=[2, 4, 5, 6, 7, 8]),
+                       (mix, fused)),
+    "layer_table": ({"table": TABLE}, dict(tokens=[1, 8, 64, 512]), (layer,)),
     "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
                       "stream": variant(lambda T, K, f: STREAM)},
                      dict(tokens=[2048, 8192], blocks=[2, 5, 8]), (mix, fused)),
