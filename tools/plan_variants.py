@@ -31,6 +31,8 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
 - cluster_blocks: the table alone at the cluster kernel's shapes, T = 1..64, K = 2, 4..8; run from two builds
   side by side, it times a kernel change (the variant per block count) against the kernel before it.
 - layer_table: the layer schedule with the table alone, T = 1, 8, 64, 512 (the same use).
+- cluster_k12: the cluster kernel (8 or 4 CTAs per token, its 2-block variant) at K = 1 and 2 up to 32 tokens beside
+  the table, plain and fused.
 """
 from __future__ import annotations
 
@@ -152,6 +154,8 @@ SECTIONS = {
     "cluster_blocks": ({"table": TABLE}, dict(tokens=[1, 2, 4, 8, 16, 32, 64], blocks=[2, 4, 5, 6, 7, 8]),
                        (mix, fused)),
     "layer_table": ({"table": TABLE}, dict(tokens=[1, 8, 64, 512]), (layer,)),
+    "cluster_k12": ({"table": TABLE, **{f"cluster{n}": cluster_everywhere(n, 32) for n in (8, 4)}},
+                    dict(tokens=[1, 2, 4, 8, 12, 16, 24, 32], blocks=[1, 2]), (mix, fused)),
     "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
                       "stream": variant(lambda T, K, f: STREAM)},
                      dict(tokens=[2048, 8192], blocks=[2, 5, 8]), (mix, fused)),
