@@ -24,7 +24,7 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
 - cluster_wide: the cluster kernel (8, 4 or 2 CTAs per token) at every K = 1..8 up to 512 tokens, the table's own
   entry as its fallback, plain and fused, T = 1..512, K = 1, 2, 4, 8.
 - layer_cluster: the layer schedule with the cluster kernel (8 or 4 CTAs per token) at every K.
-- cluster_table: the table (the cluster kernel at K = 2 up to 4 tokens, K = 3..4 up to 32 and K = 5..8 up to 64)
+- cluster_table: the table (the cluster kernel at K = 2 up to 16 tokens, K = 3..4 up to 32 and K = 5..8 up to 64)
   beside the entries it had before there (the one-tile plan at K <= 4; 4-row tiles at K = 5..8 from 17 tokens) and
   the cluster kernel with 8, 4 and 2 CTAs per token, T = 1..64, K = 3, 4, 5, 8.
 - layer_cluster_table: the layer schedule with the table and with those entries before it.
@@ -109,8 +109,8 @@ def cluster_everywhere(size: int, max_t: int = 512) -> Ops:
 
 
 def previous_cluster(T: int, K: int):
-    """The entries the cluster kernel replaced at K = 2 up to 4 tokens, K = 3..4 up to 32 and K = 5..8 at 17-64."""
-    if (3 <= K <= 4 and T <= 32) or (K == 2 and T <= 4):
+    """The entries the cluster kernel replaced at K = 2 up to 16 tokens, K = 3..4 up to 32 and K = 5..8 at 17-64."""
+    if (3 <= K <= 4 and T <= 32) or (K == 2 and T <= 16):
         return ONE_TILE
     if 5 <= K <= 8 and 16 < T <= 64:
         return token(4, 8)

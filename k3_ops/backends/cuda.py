@@ -19,7 +19,7 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
   launch and combined by a second (a third scales the output norm). The partials live in a buffer allocated per
   call from the caching allocator, like an output.
 - **tiles** (opt-in): the Ascend kernel's two-pass algorithm on CUDA, for comparison.
-- **cluster** (the default for K = 5..8 up to 64 tokens, K = 3..4 up to 32, K = 2 up to 4): the CUDA C++
+- **cluster** (the default for K = 5..8 up to 64 tokens, K = 3..4 up to 32, K = 2 up to 16): the CUDA C++
   kernel of csrc_cuda/attn_res_cluster.cu, each token split over a thread-block cluster of ``cluster_size``
   CTAs exchanging their partial statistics through distributed shared memory (sm_90+, a CUDA build of
   k3_ops._C, 16-bit rows, K <= 8, H a multiple of 8 x cluster_size, unit hidden strides, 16-byte aligned rows;
@@ -297,16 +297,18 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   0.826 of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the
     #   plan, spills 80-132 bytes pipelined (triton 3.6-3.9) against ~1 KB with prefetch 1 (tools/ptxas_info.py).
     # - The cluster kernel (csrc_cuda/attn_res_cluster.cu) for K = 5..8 up to 64 tokens, K = 3..4 up to 32 and
-    #   K = 2 up to 4, for the plain op and every fused call on 16-byte rows (so that a fused call's mix is the plain
+    #   K = 2 up to 16, for the plain op and every fused call on 16-byte rows (so that a fused call's mix is the plain
     #   op's bit for bit); other layouts take the entry the table had before it (``fallback``). Same run
     #   (tools/plan_variants.py cluster_table and cluster_wide, docs/data/cluster_table_*), against those entries:
     #   K = 5..8 at 17-64 tokens (4-row tiles before) the plain op 3.21-4.71 us against 5.76-6.32, the fused call
     #   with its output norm 4.51-6.12 against 7.34-7.98; K = 3..4 up to 32 tokens (one tile before; 8 CTAs per
-    #   token) the plain op 2.36-3.10 against 3.11-3.39, the fused call 3.54-4.42 against 4.21-4.46; K = 2 at
-    #   T <= 4 2.30-2.32 against 2.44-2.47, fused 3.50 against 3.61-3.63. It loses at K = 1
-    #   at every T (T = 1: 2.36 against 1.92 us plain, 3.49 against 3.14 fused), at K = 2 from 16 tokens, at K <= 4
-    #   from 64 tokens and at K = 5..8 from 128 (T = 128, K = 8: 9.09 against 7.30 with 2 CTAs per token, whose
-    #   448-thread CTAs at about 120 registers fit one per SM).
+    #   token) the plain op 2.36-3.10 against 3.11-3.39, the fused call 3.54-4.42 against 4.21-4.46; K = 2 up to
+    #   16 tokens (the 2-block variant, 8 CTAs; tools/plan_variants.py cluster_k12,
+    #   docs/data/cluster_k12_*_h200_fa2daf6.json) at T = 8..16 2.17-2.33 against 2.52-2.55, fused 3.41-3.56
+    #   against 3.70-3.73. It loses at K = 1 at every T (T = 1 with the 2-block variant: 2.10 against 1.91 us
+    #   plain, 3.37 with 4 CTAs against 3.15 fused), at K = 2 from 32 tokens (4 CTAs at 24 tokens: 2.52 against
+    #   2.57), at K <= 4 from 64 tokens and at K = 5..8 from 128 (T = 128, K = 8: 9.09 against 7.30 with 2 CTAs per
+    #   token, whose 448-thread CTAs at about 120 registers fit one per SM).
     # - K = 5..8 above 2048 tokens and K = 3..4 above 4096: the streaming kernel (csrc_cuda/attn_res_stream.cu),
     #   rows through a shared-memory ring, each thread's columns of the mix in registers and the output norm's
     #   weight in shared memory (the rows kernel's fused epilogue spills). Same run against the rows kernel: the
@@ -327,7 +329,7 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
         size = 8 if t_bucket <= 8 else 4 if t_bucket <= 32 else 2
         return LaunchConfig(kernel="cluster", cluster_size=size, min_k=5, fallback=before)
     one_tile = LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, num_stages=1)
-    if (t_bucket <= 32 and k_bucket == 4) or (t_bucket <= 4 and k_bucket == 2):
+    if (t_bucket <= 32 and k_bucket == 4) or (t_bucket <= 16 and k_bucket == 2):
         return LaunchConfig(kernel="cluster", cluster_size=8, min_k=2 if k_bucket == 2 else 3, fallback=one_tile)
     if t_bucket <= 256 and k_bucket <= 4:
         return one_tile
