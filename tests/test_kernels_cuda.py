@@ -68,7 +68,7 @@ CONTRACT = [
     Sample(T=7, K=4, cap=8, H=7168, dtype=torch.float16),
     Sample(T=7, K=4, cap=8, H=7168, dtype=torch.float32),
     Sample(T=64, K=8, cap=9, H=7168),  # the cluster kernel, 2 CTAs per token
-    Sample(T=2, K=2, cap=9, H=7168),  # the cluster kernel, 8 CTAs per token, its K <= 4 variant
+    Sample(T=2, K=2, cap=9, H=7168),  # the cluster kernel, 8 CTAs per token, its 2-block variant
     Sample(T=30, K=6, cap=9, H=7168, layout="blockmajor"),  # 4 CTAs per token, block-major rows
     Sample(T=512, K=8, cap=8, H=7168),
     Sample(T=4096, K=2, cap=9, H=7168, layout="blockmajor"),

@@ -320,7 +320,7 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
         return LaunchConfig(kernel="stream", min_k=3, fallback=ROWS_CONFIG)
     # The cluster entries. At K = 5..8 the CTAs per token fall as the tokens grow (8 up to 8 tokens, 4 up to 32, 2
     # up to 64): an 8-CTA cluster must fit in one GPC, and fewer of them than 16 tokens' fit at once (T = 12 / 16,
-    # K = 5, plain: 8 CTAs 3.01 / 3.56 us, 4 CTAs 3.09 / 3.12). At K <= 4 (the 5-candidate variant, fewer
+    # K = 5, plain: 8 CTAs 3.01 / 3.56 us, 4 CTAs 3.09 / 3.12). At K = 3..4 (the 5-candidate variant, fewer
     # registers) 8 CTAs per token beat the one-tile plan at every measured T up to 32; 4 CTAs were up to 0.09 us
     # faster at T = 16 and 0.3-0.4 us slower at T = 32 (the fused call 4.72 / 4.87 against 4.31 / 4.42 at K = 3 / 4).
     if t_bucket <= 64 and k_bucket == 8:
