@@ -722,7 +722,7 @@ def test_detector_sees_the_copies_when_reinplacing_is_off(fresh_compile, monkeyp
 
 # --- CUDA: model-sized shapes, and one kernel launch per call ----------------------------------------------
 CUDA_CASES = [
-    # The cluster path (the table's up to 64 tokens at K = 5..8, 32 at K = 3..4, 4 at K = 2; at K = 5..8 8 CTAs
+    # The cluster path (the table's up to 64 tokens at K = 5..8, 32 at K = 3..4, 16 at K = 2; at K = 5..8 8 CTAs
     # per token up to 8 tokens, 4 up to 32, 2 above): in place, snapshot, FP32-mix norm; no addend, fp16; FP8.
     ServingCase(FusedCase(S(1, 4, 9, 7168), norm="own")),
     ServingCase(FusedCase(S(2, 2, 9, 7168), norm="own")),
