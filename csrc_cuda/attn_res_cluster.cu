@@ -35,6 +35,8 @@
 
 #include <cooperative_groups.h>
 
+#include <type_traits>
+
 #include "attn_res_vec.h"
 #include "warp_reduce.h"
 
@@ -55,8 +57,16 @@ constexpr int kClusterMaxThreads = 512;
 // candidates than the call has still runs the absent ones' statistics and their warp sums; every sum is the same
 // one in each variant (the transposing butterfly adds the plain butterfly's pairs for any count), so the bits are
 // too.
+// The launch bound's minimum of CTAs per SM: 1 for the 2-block variants with an FP32 weight, 0 (none) elsewhere.
+// With none, ptxas stops those variants at 64 registers and the fused ones with 8 CTAs spill 8-16 bytes; a minimum
+// of 1 lets them take the 128 that 512 threads allow. Only them: on every other variant a minimum of 1 changes the
+// sm_90 code (270 of the 432, the timed bf16 ones among them), while 0 leaves it as it was timed.
+template <typename NW, typename PW, int MB>
+constexpr int kMinCtasPerSm = (MB == 2 && (std::is_same_v<NW, float> || std::is_same_v<PW, float>)) ? 1 : 0;
+
 template <typename IO, typename NW, typename PW, int CS, int MB, bool kFused>
-__global__ void __launch_bounds__(kClusterMaxThreads) attn_res_cluster_kernel(ClusterFwdArgs a) {
+__global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB>))
+    attn_res_cluster_kernel(ClusterFwdArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters need sm_90; the launch policy never picks this kernel below it (an sm_80 build still links)
 #else
