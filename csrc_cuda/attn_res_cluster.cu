@@ -57,15 +57,18 @@ constexpr int kClusterMaxThreads = 512;
 // candidates than the call has still runs the absent ones' statistics and their warp sums; every sum is the same
 // one in each variant (the transposing butterfly adds the plain butterfly's pairs for any count), so the bits are
 // too.
-// The launch bound's minimum of CTAs per SM: 1 for the 2-block variants with an FP32 weight, 0 (none) elsewhere.
-// With none, ptxas stops those variants at 64 registers and the fused ones with 8 CTAs spill 8-16 bytes; a minimum
-// of 1 lets them take the 128 that 512 threads allow. Only them: on every other variant a minimum of 1 changes the
-// sm_90 code (270 of the 432, the timed bf16 ones among them), while 0 leaves it as it was timed.
-template <typename NW, typename PW, int MB>
-constexpr int kMinCtasPerSm = (MB == 2 && (std::is_same_v<NW, float> || std::is_same_v<PW, float>)) ? 1 : 0;
+// The launch bound's minimum of CTAs per SM: 1 for the fused 2-block variants with an FP32 weight, 0 (none)
+// elsewhere. With none, ptxas stops the 2-block FP32-weight variants at 64 registers, and the fused ones with 8 CTAs
+// spill 8-16 bytes; a minimum of 1 lets them take the 128 that 512 threads allow (the fused call at T = 1, 8, 16,
+// K = 2: 3.39 / 3.44 / 3.69 against 3.68 / 3.75 / 3.88 us, same run, docs/data/cluster_fp32_bound_h200_da426eb.json).
+// Only them: the plain ones do not spill, and with the minimum took 0.07-0.11 us more at 8 and 16 tokens; on every
+// other variant a minimum of 1 changes the sm_90 code (the timed bf16 ones among them), while 0 leaves it as timed.
+template <typename NW, typename PW, int MB, bool kFused>
+constexpr int kMinCtasPerSm =
+    (kFused && MB == 2 && (std::is_same_v<NW, float> || std::is_same_v<PW, float>)) ? 1 : 0;
 
 template <typename IO, typename NW, typename PW, int CS, int MB, bool kFused>
-__global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB>))
+__global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB, kFused>))
     attn_res_cluster_kernel(ClusterFwdArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters need sm_90; the launch policy never picks this kernel below it (an sm_80 build still links)

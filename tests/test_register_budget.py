@@ -216,8 +216,8 @@ def test_cuda_cpp_cluster_variants_keep_their_rows_in_registers(cluster_budget):
     # The launch bound (512 threads) allows 128 registers per thread; a thread holds MB + 1 candidates x 8 columns
     # in FP32 across the exchange, and all of its loads are in flight at once (fetch8), so a spill or a stack frame
     # would put rows in local memory. nvcc 13.0: 111-126 registers at MB = 8, 90-110 at MB = 6, 71-94 at MB = 4,
-    # 54-72 at MB = 2, no spills. The 2-block variants with an FP32 weight take a minimum of one CTA per SM in their
-    # launch bound (kMinCtasPerSm): without it ptxas stopped them at 64 registers and the fused ones at 8 CTAs
+    # 54-72 at MB = 2, no spills. The fused 2-block variants with an FP32 weight take a minimum of one CTA per SM in
+    # their launch bound (kMinCtasPerSm): without it ptxas stopped them at 64 registers and those with 8 CTAs
     # spilled 8-16 bytes.
     assert len(cluster_budget) == 432, sorted(cluster_budget)
     for key, r in cluster_budget.items():
