@@ -33,6 +33,8 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
 - layer_table: the layer schedule with the table alone, T = 1, 8, 64, 512 (the same use).
 - cluster_k12: the cluster kernel (8 or 4 CTAs per token, its 2-block variant) at K = 1 and 2 up to 32 tokens beside
   the table, plain and fused.
+- one_tile_w16: the one-tile plan with 16 warps (16 columns per thread, not 32) where the table runs it with 8 at
+  K = 1 and 2 (K = 1 up to 256 tokens, K = 2 from 17), plain and fused, T = 1, 8, 24, 64, 256.
 """
 from __future__ import annotations
 
@@ -94,6 +96,7 @@ def previous_k12(T: int, K: int):
 TABLE = variant(lambda T, K, f: None)
 STREAM = cuda.LaunchConfig(kernel="stream")
 ONE_TILE = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8)
+ONE_TILE_W16 = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=16)
 
 
 def cluster_everywhere(size: int, max_t: int = 512) -> Ops:
@@ -115,6 +118,11 @@ def previous_cluster(T: int, K: int):
     if 5 <= K <= 8 and 16 < T <= 64:
         return token(4, 8)
     return None
+
+
+def one_tile_w16(T: int, K: int):
+    """The one-tile plan with 16 warps where the table runs it with 8 at K = 1..2."""
+    return ONE_TILE_W16 if T <= 256 and (K == 1 or (K == 2 and T > 16)) else None
 
 
 def one_tile() -> Ops:
@@ -156,6 +164,8 @@ SECTIONS = {
     "layer_table": ({"table": TABLE}, dict(tokens=[1, 8, 64, 512]), (layer,)),
     "cluster_k12": ({"table": TABLE, **{f"cluster{n}": cluster_everywhere(n, 32) for n in (8, 4)}},
                     dict(tokens=[1, 2, 4, 8, 12, 16, 24, 32], blocks=[1, 2]), (mix, fused)),
+    "one_tile_w16": ({"table": TABLE, "one_tile_w16": variant(lambda T, K, f: one_tile_w16(T, K))},
+                     dict(tokens=[1, 8, 24, 64, 256], blocks=[1, 2]), (mix, fused)),
     "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
                       "stream": variant(lambda T, K, f: STREAM)},
                      dict(tokens=[2048, 8192], blocks=[2, 5, 8]), (mix, fused)),
