@@ -49,14 +49,6 @@ using namespace device;  // NOLINT: the shared vector helpers
 // Threads per CTA at most: 128 registers each for the 9 x 8 candidate values held across the exchange.
 constexpr int kClusterMaxThreads = 512;
 
-// kFused: the fused calls' code (addend, prefix stores, output norm, FP8 output), compiled out of the plain op's
-// instantiation: with it, the plain op took 4.92 against 4.71 us at T = 1, K = 8 (same run, same bits;
-// docs/data/cluster_instantiations_h200_2d35082.json).
-// MB: the most block rows the variant holds (2, 4, 6 or kClusterMaxBlocks; pick_kernel). The kernel is bound by its
-// instruction stream's latency (docs/benchmarks.md, "Where the remaining gap goes"), and a variant holding more
-// candidates than the call has still runs the absent ones' statistics and their warp sums; every sum is the same
-// one in each variant (the transposing butterfly adds the plain butterfly's pairs for any count), so the bits are
-// too.
 // The launch bound's minimum of CTAs per SM: 1 for the fused 2-block variants with an FP32 weight, 0 (none)
 // elsewhere. With none, ptxas stops the 2-block FP32-weight variants at 64 registers, and the fused ones with 8 CTAs
 // spill 8-16 bytes; a minimum of 1 lets them take the 128 that 512 threads allow (the fused call at T = 1, 8, 16,
@@ -67,6 +59,14 @@ template <typename NW, typename PW, int MB, bool kFused>
 constexpr int kMinCtasPerSm =
     (kFused && MB == 2 && (std::is_same_v<NW, float> || std::is_same_v<PW, float>)) ? 1 : 0;
 
+// kFused: the fused calls' code (addend, prefix stores, output norm, FP8 output), compiled out of the plain op's
+// instantiation: with it, the plain op took 4.92 against 4.71 us at T = 1, K = 8 (same run, same bits;
+// docs/data/cluster_instantiations_h200_2d35082.json).
+// MB: the most block rows the variant holds (2, 4, 6 or kClusterMaxBlocks; pick_kernel). The kernel is bound by its
+// instruction stream's latency (docs/benchmarks.md, "Where the remaining gap goes"), and a variant holding more
+// candidates than the call has still runs the absent ones' statistics and their warp sums; every sum is the same
+// one in each variant (the transposing butterfly adds the plain butterfly's pairs for any count), so the bits are
+// too.
 template <typename IO, typename NW, typename PW, int CS, int MB, bool kFused>
 __global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB, kFused>))
     attn_res_cluster_kernel(ClusterFwdArgs a) {
