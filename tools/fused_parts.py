@@ -9,7 +9,8 @@ new_prefix store) and ``plain`` (``attn_res``: the plain instantiation, no new_p
 rows is what that part costs where the others stay; the kernel (the cluster kernel, the one-tile plan, the rows
 kernel) is the table's at each shape, the same in every row of it.
 
-Usage, on the GPU machine: python tools/fused_parts.py [--out DIR] [--weight-dtype fp32]
+Usage, on the GPU machine:
+  python tools/fused_parts.py [--out DIR] [--weight-dtype fp32] [--tokens 1,8,...] [--blocks 1,2,...]
 """
 from __future__ import annotations
 
