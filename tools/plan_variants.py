@@ -35,6 +35,9 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
   the table, plain and fused.
 - one_tile_w16: the one-tile plan with 16 warps (16 columns per thread, not 32) where the table runs it with 8 at
   K = 1 and 2 (K = 1 up to 256 tokens, K = 2 from 17), plain and fused, T = 1, 8, 24, 64, 256.
+- one_tile_large: the one-tile plan (8 warps) above 256 tokens at K <= 4, where the table runs the rows kernel,
+  plain and fused, T = 384, 512, 768, 1024, 2048, K = 1..4.
+- layer_one_tile_large: the layer schedule with that plan at K <= 4 up to 512 tokens.
 """
 from __future__ import annotations
 
@@ -125,8 +128,8 @@ def one_tile_w16(T: int, K: int):
     return ONE_TILE_W16 if T <= 256 and (K == 1 or (K == 2 and T > 16)) else None
 
 
-def one_tile() -> Ops:
-    return variant(lambda T, K, f: ONE_TILE if T <= 256 and K <= 4 else None)
+def one_tile(max_t: int = 256) -> Ops:
+    return variant(lambda T, K, f: ONE_TILE if T <= max_t and K <= 4 else None)
 
 
 SECTIONS = {
@@ -166,6 +169,10 @@ SECTIONS = {
                     dict(tokens=[1, 2, 4, 8, 12, 16, 24, 32], blocks=[1, 2]), (mix, fused)),
     "one_tile_w16": ({"table": TABLE, "one_tile_w16": variant(lambda T, K, f: one_tile_w16(T, K))},
                      dict(tokens=[1, 8, 24, 64, 256], blocks=[1, 2]), (mix, fused)),
+    "one_tile_large": ({"table": TABLE, "one_tile_w8": one_tile(2048)},
+                       dict(tokens=[384, 512, 768, 1024, 2048], blocks=[1, 2, 3, 4]), (mix, fused)),
+    "layer_one_tile_large": ({"table": TABLE, "one_tile_w8": one_tile(512)}, dict(tokens=[1, 8, 64, 512]),
+                             (layer,)),
     "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
                       "stream": variant(lambda T, K, f: STREAM)},
                      dict(tokens=[2048, 8192], blocks=[2, 5, 8]), (mix, fused)),
