@@ -229,9 +229,12 @@ def test_cuda_launch_table_overrides():
     plan = cuda.choose_config(64, 8, 7168, torch.device("cpu"))
     assert (plan.kernel, plan.rows_per_tile, plan.pdl) == ("token", 4, False)
     assert cuda.choose_config(cuda.TOKEN_MAX_T, 8, 7168, torch.device("cpu")).rows_per_tile == 1
-    assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 4, 7168, torch.device("cpu")).kernel == "rows"
-    assert cuda.choose_config(cuda.TOKEN_MAX_T_MANY_BLOCKS, 8, 7168, torch.device("cpu")).kernel == "token"
-    assert cuda.choose_config(cuda.TOKEN_MAX_T_MANY_BLOCKS + 1, 8, 7168, torch.device("cpu")).kernel == "rows"
+    assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 16, 7168, torch.device("cpu")).kernel == "rows"
+    for K in (1, 4, 8):
+        # K <= 4: the one-tile plan (rows_per_tile 0); K = 5..8: one row at a time.
+        plan = cuda.choose_config(cuda.TOKEN_MAX_T_K8, K, 7168, torch.device("cpu"))
+        assert (plan.kernel, plan.rows_per_tile) == ("token", 0 if K <= 4 else 1), K
+        assert cuda.choose_config(cuda.TOKEN_MAX_T_K8 + 1, K, 7168, torch.device("cpu")).kernel == "rows", K
     # The streaming entries (K = 5..8 above 2048 tokens, K = 3..4 above 4096): a CUDA C++ kernel, so on the CPU
     # (and wherever it cannot run) their rows-kernel fallback.
     for (t_bucket, k_bucket) in ((4096, 8), (1 << 62, 8), (1 << 62, 4)):

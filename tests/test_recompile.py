@@ -175,9 +175,9 @@ def test_k_is_not_a_compile_key_within_a_k_pad(recorders):
 def test_block_major_shares_token_major_kernels(recorders):
     from k3_ops.backends import cuda
 
-    # T = 64 and 512 at K = 4: the token kernel (the one-tile plan) and the rows kernel, on the GPU as in the
+    # T = 64 and 1024 at K = 4: the token kernel (the one-tile plan) and the rows kernel, on the GPU as in the
     # interpreter (at T <= 32, K = 3..4 a GPU runs the cluster kernel, which has no Triton compile key).
-    shapes = (64, 512)
+    shapes = (64, 1024)
     for T in shapes:
         plan = cuda.choose_config(T, 4, 7168, torch.device(_cpu_or_cuda()))
         assert plan.kernel in ("token", "rows"), (T, plan)

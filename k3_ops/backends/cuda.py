@@ -3,9 +3,9 @@
 
 Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), kernel paths:
 
-- **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens, ``TOKEN_MAX_T_MANY_BLOCKS`` for K = 5..8):
+- **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens, ``TOKEN_MAX_T_K8`` for K <= 8):
   ``kernels/attn_res_decode.py``, one program per token streaming its K block rows in [ROWS, next_pow2(H)] tiles
-  through an online softmax, the prefix candidate folded in last, or (K <= 4 up to 256 tokens) holding them all in
+  through an online softmax, the prefix candidate folded in last, or (K <= 4 up to 512 tokens) holding them all in
   one tile with the prefix row beside it; every row read once, no workspace. With
   programmatic dependent launch (PDL) on sm_90+: a captured chain of calls overlaps each launch with its
   predecessor's tail (``K3_OPS_PDL=0`` turns it off).
@@ -89,7 +89,7 @@ __all__ = [
     "K_BUCKETS",
     "LAUNCH_TABLE",
     "TOKEN_MAX_T",
-    "TOKEN_MAX_T_MANY_BLOCKS",
+    "TOKEN_MAX_T_K8",
     "INTERPRETER_NUM_SMS",
     "bucket",
     "set_launch_config",
@@ -248,10 +248,12 @@ K_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 1 << 62)
 SPLIT_MAX_CANDIDATES = 16
 #: The largest tile (rows x next_pow2(H)) a one-tile token plan holds (rows_per_tile 0); larger K take 4-row tiles.
 ONE_TILE_MAX_ELEMENTS = 8 * 8192
-#: The token path is the default up to this many tokens, the rows path above (docs/benchmarks.md, "Plain mix")...
+#: The token path is the default up to this many tokens at every K, the rows path above (docs/benchmarks.md,
+#: "Plain mix")...
 TOKEN_MAX_T = 256
-#: ... except for K = 5..8 (the K bucket 8), which keeps the token path up to this many tokens.
-TOKEN_MAX_T_MANY_BLOCKS = 512
+#: ... except for K <= 8 (every K of Kimi K3; the K buckets 1, 2, 4 and 8), which keeps the token path up to this many
+#: tokens.
+TOKEN_MAX_T_K8 = 512
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -271,7 +273,7 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     # - T <= 4, K = 5..8: the split path: more SMs per token than one program can use, its partials in a per-call
     #   buffer between two launches (T = 1, K = 8: 4.7 us against 5.7 for the best per-token tile; at K = 4 the
     #   split's second launch costs more than it saves: 5.4 us against 4.0).
-    # - K <= 4 up to 256 tokens (but the cluster entries below, and where the cluster kernel cannot run): one
+    # - K <= 4 up to 512 tokens (but the cluster entries below, and where the cluster kernel cannot run): one
     #   program per token, every block row in one tile (next_pow2(K) rows) with the
     #   prefix row beside it, 8 warps, no loop (``rows_per_tile`` 0); the fused call stores new_prefix and the
     #   snapshot at their load. Same run (tools/plan_variants.py one_tile, at 9d8ab42) against the entries before
@@ -282,7 +284,12 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   5.57 / 6.40. At T = 256 the fused call gains at every K (K = 1 / 3 / 4: 6.80 / 9.21 / 9.74 against 8.47 /
     #   10.67 / 11.89) and so does the plain op at K = 1, 2, 4, but the plain op at K = 3 loses (7.09 against
     #   6.73): the plain op shares the fused call's plan (its mix is the fused call's bit for bit), and the fused
-    #   call is the one a decoder layer makes twice. Not measured above 256 tokens, where the rows kernel runs.
+    #   call is the one a decoder layer makes twice. At 257-512 tokens the same plan replaces the rows kernel
+    #   (tools/plan_variants.py one_tile_large at f5a5419, same run): the fused call at T = 384 / 512, K = 1 9.92 /
+    #   14.60 us against 14.52 / 17.07, K = 4 16.11 / 22.49 against 27.19 / 28.61; the plain op at K = 1 5.19 / 6.02
+    #   against 7.77 / 7.86, K = 2 6.59 / 8.01 against 9.98 / 10.06, but at T = 512, K = 3 / 4 15.13 / 16.70
+    #   against 12.41 / 14.99; the layer step at T = 512 1162.3 against 1261.4. Not above: at T = 768-1024 the fused call loses at K = 1..2 (T = 1024, K = 1
+    #   35.37 against 32.84) and the plain op at K = 3..4.
     # - K >= 5 at 129-256 tokens and K = 5..8 at 257-512 tokens: one program per token, one row at a time, 4 warps,
     #   3 stages. At T = 512, K = 8, against the rows kernel, same run: the fused call 35.37 against
     #   42.92 us, the plain op 25.40 against 25.11; at T = 1024 / 2048 the fused call 68.29 / 133.72 against 81.23 /
@@ -331,11 +338,11 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     one_tile = LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, num_stages=1)
     if (t_bucket <= 32 and k_bucket == 4) or (t_bucket <= 16 and k_bucket == 2):
         return LaunchConfig(kernel="cluster", cluster_size=8, min_k=2 if k_bucket == 2 else 3, fallback=one_tile)
-    if t_bucket <= 256 and k_bucket <= 4:
+    if t_bucket <= TOKEN_MAX_T_K8 and k_bucket <= 4:
         return one_tile
     if t_bucket <= 128:
         return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
-    if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_MANY_BLOCKS and k_bucket == 8):
+    if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_K8 and k_bucket == 8):
         return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3)
     return ROWS_CONFIG
 
