@@ -71,6 +71,7 @@ CONTRACT = [
     Sample(T=2, K=2, cap=9, H=7168),  # the cluster kernel, 8 CTAs per token, its 2-block variant
     Sample(T=30, K=6, cap=9, H=7168, layout="blockmajor"),  # 4 CTAs per token, block-major rows
     Sample(T=512, K=8, cap=8, H=7168),
+    Sample(T=400, K=3, cap=9, H=7168, layout="blockmajor"),  # the one-tile plan at 257-512 tokens
     Sample(T=4096, K=2, cap=9, H=7168, layout="blockmajor"),
     Sample(T=16384, K=8, cap=8, H=7168),  # the streaming kernel
     Sample(T=5000, K=3, cap=4, H=7168, dtype=torch.float16, layout="blockmajor"),  # streaming, block-major
