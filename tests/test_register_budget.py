@@ -86,6 +86,40 @@ def _nvcc() -> str | None:
     return found if Path(found).exists() else None
 
 
+NVCC_FLAGS = ("-std=c++17", "-O3", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v")
+
+
+def _ptxas_report(nvcc: str, source: Path, tmp_path_factory) -> str:
+    """nvcc's stderr (ptxas -v) for ``source``, kept on disk under a key of everything the compile depends on (the
+    nvcc release, the flags, every file of csrc_cuda/): the full compile of the cluster kernel's variants takes
+    minutes, and CI runs this file once per software stack against the same sources and nvcc. A lock per key
+    makes a second process wait for the first's report instead of compiling it again."""
+    import fcntl
+    import hashlib
+
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    digest = hashlib.sha256("\0".join((version, *NVCC_FLAGS, source.name)).encode())
+    for path in sorted(source.parent.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    cache = Path(os.environ.get("K3_OPS_NVCC_CACHE", Path.home() / ".cache" / "k3_ops" / "nvcc"))
+    cache.mkdir(parents=True, exist_ok=True)
+    report = cache / f"{source.stem}-{digest.hexdigest()[:24]}.txt"
+    with open(cache / (report.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if report.exists():
+            return report.read_text()
+        obj = tmp_path_factory.mktemp("nvcc") / (source.stem + ".o")
+        r = subprocess.run([nvcc, *NVCC_FLAGS, "-c", str(source), "-o", str(obj)], capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        # Written whole, then renamed: a reader never sees a partial report.
+        tmp = report.with_suffix(".part")
+        tmp.write_text(r.stderr)
+        tmp.replace(report)
+        return r.stderr
+
+
 def _nvcc_resources(source_name: str, tmp_path_factory, entry: str, key) -> dict:
     """ptxas -v of every kernel in csrc_cuda/<source_name> compiled for sm_90: {key(match): resources} for each
     entry function matching the regex ``entry`` (registers, stack frame, spill stores and loads)."""
@@ -95,13 +129,10 @@ def _nvcc_resources(source_name: str, tmp_path_factory, entry: str, key) -> dict
     if nvcc is None:
         pytest.skip("no CUDA toolkit (nvcc) here: the C++ kernel's register budget is checked where one is")
     source = Path(__file__).resolve().parent.parent / "csrc_cuda" / source_name
-    obj = tmp_path_factory.mktemp("nvcc") / (source.stem + ".o")
-    r = subprocess.run([nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v", "-c",
-                        str(source), "-o", str(obj)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "warning" not in r.stderr.lower(), r.stderr[-3000:]
+    report = _ptxas_report(nvcc, source, tmp_path_factory)
+    assert "warning" not in report.lower(), report[-3000:]
     out, name = {}, None
-    for line in r.stderr.splitlines():
+    for line in report.splitlines():
         m = re.search(r"Compiling entry function '" + entry, line)
         if m:
             name = key(m)
