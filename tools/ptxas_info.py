@@ -324,7 +324,7 @@ def budget_cases() -> list[tuple[str, str, dict]]:
 
 def one_tile_cases() -> list[tuple[str, str, dict]]:
     """The one-tile plan (``LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8)``, the table's at K <= 4 up to
-    256 tokens) at K = 1, 2, 4 (tiles of 1, 2 and 4 rows, H = 7168), plain and fused with every flag, the output
+    512 tokens) at K = 1, 2, 4 (tiles of 1, 2 and 4 rows, H = 7168), plain and fused with every flag, the output
     norm's weight ahead where the policy loads it so (at most two rows over 8 warps)."""
     from k3_ops.backends import cuda
 
