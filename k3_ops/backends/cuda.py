@@ -288,8 +288,8 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   (tools/plan_variants.py one_tile_large at f5a5419, same run): the fused call at T = 384 / 512, K = 1 9.92 /
     #   14.60 us against 14.52 / 17.07, K = 4 16.11 / 22.49 against 27.19 / 28.61; the plain op at K = 1 5.19 / 6.02
     #   against 7.77 / 7.86, K = 2 6.59 / 8.01 against 9.98 / 10.06, but at T = 512, K = 3 / 4 15.13 / 16.70
-    #   against 12.41 / 14.99; the layer step at T = 512 1162.3 against 1261.4. Not above: at T = 768-1024 the fused call loses at K = 1..2 (T = 1024, K = 1
-    #   35.37 against 32.84) and the plain op at K = 3..4.
+    #   against 12.41 / 14.99; the layer step at T = 512 1162.3 against 1261.4. Not above: at T = 768-1024 the
+    #   fused call loses at K = 1..2 (T = 1024, K = 1 35.37 against 32.84) and the plain op at K = 3..4.
     # - K >= 5 at 129-256 tokens and K = 5..8 at 257-512 tokens: one program per token, one row at a time, 4 warps,
     #   3 stages. At T = 512, K = 8, against the rows kernel, same run: the fused call 35.37 against
     #   42.92 us, the plain op 25.40 against 25.11; at T = 1024 / 2048 the fused call 68.29 / 133.72 against 81.23 /
