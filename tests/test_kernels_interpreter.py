@@ -231,9 +231,10 @@ def test_cuda_launch_table_overrides():
     assert cuda.choose_config(cuda.TOKEN_MAX_T, 8, 7168, torch.device("cpu")).rows_per_tile == 1
     assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 16, 7168, torch.device("cpu")).kernel == "rows"
     for K in (1, 4, 8):
-        # K <= 4: the one-tile plan (rows_per_tile 0); K = 5..8: one row at a time.
+        # K <= 4: the one-tile plan; K = 5..8: one row at a time.
         plan = cuda.choose_config(cuda.TOKEN_MAX_T_K8, K, 7168, torch.device("cpu"))
-        assert (plan.kernel, plan.rows_per_tile) == ("token", 0 if K <= 4 else 1), K
+        assert (plan.kernel, plan.one_tile) == ("token", K <= 4), K
+        assert K <= 4 or plan.rows_per_tile == 1, K
         assert cuda.choose_config(cuda.TOKEN_MAX_T_K8 + 1, K, 7168, torch.device("cpu")).kernel == "rows", K
     # The streaming entries (K = 5..8 above 2048 tokens, K = 3..4 above 4096): a CUDA C++ kernel, so on the CPU
     # (and wherever it cannot run) their rows-kernel fallback.
@@ -263,14 +264,14 @@ def test_cuda_launch_table_overrides():
     assert plan == cuda.choose_config(5, 9, 7168, torch.device("cpu"),
                                       cuda.LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
     assert cuda.choose_config(5, 15, 40, torch.device("cpu"), one).rows_per_tile == 16
-    # The table's one-tile entries: K <= 4 up to 256 tokens; K >= 5 there, and K <= 4 above, take other plans.
-    for T in (1, 5, 128, 256):
+    # The table's one-tile entries: K <= 4 up to 512 tokens; K >= 5 there, and K <= 4 above, take other plans.
+    for T in (1, 5, 128, 256, 400, 512):
         for K in (1, 2, 3, 4):
             assert cuda.choose_config(T, K, 7168, torch.device("cpu")) == cuda.choose_config(T, K, 7168,
                                                                                             torch.device("cpu"), one)
     assert not cuda.choose_config(64, 5, 7168, torch.device("cpu")).one_tile
     assert not cuda.choose_config(200, 8, 7168, torch.device("cpu")).one_tile
-    assert cuda.choose_config(257, 4, 7168, torch.device("cpu")).kernel == "rows"
+    assert cuda.choose_config(513, 4, 7168, torch.device("cpu")).kernel == "rows"
     with pytest.raises(ValueError, match=r"LaunchConfig.chunk must be a power of two >= 16, got 100"):
         cuda.LaunchConfig(kernel="split", chunk=100)
     with pytest.raises(ValueError, match=r"must come from T_BUCKETS"):
