@@ -35,9 +35,10 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
   the table, plain and fused.
 - one_tile_w16: the one-tile plan with 16 warps (16 columns per thread, not 32) where the table runs it with 8 at
   K = 1 and 2 (K = 1 up to 256 tokens, K = 2 from 17), plain and fused, T = 1, 8, 24, 64, 256.
-- one_tile_large: the one-tile plan (8 warps) above 256 tokens at K <= 4, where the table runs the rows kernel,
-  plain and fused, T = 384, 512, 768, 1024, 2048, K = 1..4.
-- layer_one_tile_large: the layer schedule with that plan at K <= 4 up to 512 tokens.
+- one_tile_large: the one-tile plan (8 warps) above 256 tokens at K <= 4, plain and fused, T = 384, 512, 768,
+  1024, 2048, K = 1..4 (the rows kernel's range before 4fb5ecc; since then the table runs it up to 512 tokens).
+- layer_one_tile_large: the layer schedule with that plan at K <= 4 up to 512 tokens (at every T, so it also
+  replaces the cluster entries at K = 2..4 up to 32 tokens: docs/data/one_tile_large_h200_f5a5419.txt).
 """
 from __future__ import annotations
 
