@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from .attn_res_fwd import (
     _FUSED_INTS,
@@ -62,6 +63,14 @@ from .attn_res_fwd import (
 @triton.jit
 def _sum_pair(a0, b0, a1, b1):
     return a0 + a1, b0 + b1
+
+
+# Whether this module's kernels run in the Triton interpreter (TRITON_INTERPRET is read when they are decorated).
+# The interpreter runs a reduction with any combine function but its own sum one element at a time in Python
+# (about 400 s for one T = 7, H = 7168 one-tile case on a CI core), so there the one-tile statistics are two plain
+# sums. A constexpr global: the compiler resolves the branch before code generation, so the compiled kernel is the
+# one two-operand reduction, op for op (docs/kernels.md, "Interpreter speed").
+_INTERPRETED = tl.constexpr(isinstance(_sum_pair, InterpretedFunction))
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + _FUSED_INTS)
@@ -114,6 +123,9 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         if ACC64:
             ss, d = _stats(x, w[None, :], 1, ACC64)
             ss_v, d_v = _stats(vf, w, 0, ACC64)
+        elif _INTERPRETED:
+            ss, d = tl.sum(x * x, axis=1), tl.sum(x * w[None, :], axis=1)
+            ss_v, d_v = tl.sum(vf * vf, axis=0), tl.sum(vf * w, axis=0)
         else:
             ss, d = tl.reduce((x * x, x * w[None, :]), 1, _sum_pair)
             ss_v, d_v = tl.reduce((vf * vf, vf * w), 0, _sum_pair)
