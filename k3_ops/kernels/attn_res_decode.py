@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from .attn_res_fwd import (
     _FUSED_INTS,
+    _INTERPRETED,
     _RUNTIME_INTS,
+    TOKEN_LAZY,
+    TOKEN_PAIR,
     _acc_full,
     _add_addend,
     _block_row_ptrs,
@@ -51,6 +53,7 @@ from .attn_res_fwd import (
     _serving_epilogue,
     _serving_row_out,
     _stats,
+    _sum_pair,
     _store_new_prefix,
     _store_out,
     _store_snapshot,
@@ -58,19 +61,6 @@ from .attn_res_fwd import (
     gdc_launch_dependents_if,
     gdc_wait_if,
 )
-
-
-@triton.jit
-def _sum_pair(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
-
-
-# Whether this module's kernels run in the Triton interpreter (TRITON_INTERPRET is read when they are decorated).
-# The interpreter runs a reduction with any combine function but its own sum one element at a time in Python
-# (about 400 s for one T = 7, H = 7168 one-tile case on a CI core), so there the one-tile statistics are two plain
-# sums. A constexpr global: the compiler resolves the branch before code generation, so the compiled kernel is the
-# one two-operand reduction, op for op (docs/kernels.md, "Interpreter speed").
-_INTERPRETED = tl.constexpr(isinstance(_sum_pair, InterpretedFunction))
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + _FUSED_INTS)
@@ -154,16 +144,24 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                                         VEC, H_STRIDED), mask=rmask, other=0.0,
                         eviction_policy="evict_first").to(tl.float32)
             # The online softmax of _online_update, for ROWS rows at once (one cross-warp reduction per tile).
-            ss, d = _stats(x, w[None, :], 1, ACC64)
+            ss, d = _stats(x, w[None, :], 1, ACC64, TOKEN_PAIR)
             s = tl.where(i < K, _score(ss, d, H, eps, ACC64), -float("inf"))
             m_new = tl.maximum(m, tl.max(s, axis=0))
-            alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new)
-            acc = acc * alpha.to(tl.float32) + tl.sum(p.to(tl.float32)[:, None] * x, axis=0)
-            l_sum = l_sum * alpha + tl.sum(p, axis=0)
+            if TOKEN_LAZY:
+                if m_new > m:  # the rescale only where the running max grew (else alpha = 1 exactly)
+                    alpha = tl.exp(m - m_new)
+                    acc = acc * alpha.to(tl.float32)
+                    l_sum = l_sum * alpha
+                acc = acc + tl.sum(p.to(tl.float32)[:, None] * x, axis=0)
+                l_sum = l_sum + tl.sum(p, axis=0)
+            else:
+                alpha = tl.exp(m - m_new)
+                acc = acc * alpha.to(tl.float32) + tl.sum(p.to(tl.float32)[:, None] * x, axis=0)
+                l_sum = l_sum * alpha + tl.sum(p, axis=0)
             m = m_new
         # The prefix candidate, last.
-        m, l_sum, acc = _online_update(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64)
+        m, l_sum, acc = _online_update(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64, TOKEN_PAIR, TOKEN_LAZY)
         mix = acc / l_sum.to(tl.float32)
     if FUSED and ONW_AHEAD:
         # The epilogue below with the output norm's weight already in registers (no FP8 output here).
