@@ -37,23 +37,18 @@ import triton.language as tl
 
 from .attn_res_fwd import (
     _FUSED_INTS,
-    _INTERPRETED,
     _RUNTIME_INTS,
-    TOKEN_LAZY,
-    TOKEN_PAIR,
     _acc_full,
     _add_addend,
     _block_row_ptrs,
     _load_folded_weight,
     _norm_input,
     _norm_scale,
-    _online_update,
     _prefix_row_ptrs,
     _score,
     _serving_epilogue,
     _serving_row_out,
     _stats,
-    _sum_pair,
     _store_new_prefix,
     _store_out,
     _store_snapshot,
@@ -61,6 +56,22 @@ from .attn_res_fwd import (
     gdc_launch_dependents_if,
     gdc_wait_if,
 )
+
+
+@triton.jit
+def _fold_row(x, w, m, l_sum, acc, H, eps, ACC64: tl.constexpr):
+    # One candidate row into the online softmax (the prefix, after the tiles): _online_update with both statistics
+    # in one reduction and the exps in the order of the tile loop above. Not _online_update itself: its order
+    # compiles to other sm_90 code, and this is the code timed against it (docs/benchmarks.md, "The statistics
+    # in one reduction").
+    ss, d = _stats(x, w, 0, ACC64, True)
+    s = _score(ss, d, H, eps, ACC64)
+    m_new = tl.maximum(m, s)
+    p = tl.exp(s - m_new)
+    alpha = tl.exp(m - m_new)
+    acc = acc * alpha.to(tl.float32) + p.to(tl.float32) * x
+    l_sum = l_sum * alpha + p
+    return m_new, l_sum, acc
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + _FUSED_INTS)
@@ -110,15 +121,8 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                 _store_new_prefix(newp_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_bt, stride_bc,
                                   stride_bh, write_idx, VEC, H_STRIDED, SNAPSHOT)
         vf = v.to(tl.float32)
-        if ACC64:
-            ss, d = _stats(x, w[None, :], 1, ACC64)
-            ss_v, d_v = _stats(vf, w, 0, ACC64)
-        elif _INTERPRETED:
-            ss, d = tl.sum(x * x, axis=1), tl.sum(x * w[None, :], axis=1)
-            ss_v, d_v = tl.sum(vf * vf, axis=0), tl.sum(vf * w, axis=0)
-        else:
-            ss, d = tl.reduce((x * x, x * w[None, :]), 1, _sum_pair)
-            ss_v, d_v = tl.reduce((vf * vf, vf * w), 0, _sum_pair)
+        ss, d = _stats(x, w[None, :], 1, ACC64, True)
+        ss_v, d_v = _stats(vf, w, 0, ACC64, True)
         s = tl.where(r < K, _score(ss, d, H, eps, ACC64), -float("inf"))
         s_v = _score(ss_v, d_v, H, eps, ACC64)
         m = tl.maximum(tl.max(s, axis=0), s_v)
@@ -143,25 +147,17 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
             x = tl.load(_block_row_ptrs(blocks_ptr, t, i[:, None], cols[None, :], stride_bt, stride_bc, stride_bh,
                                         VEC, H_STRIDED), mask=rmask, other=0.0,
                         eviction_policy="evict_first").to(tl.float32)
-            # The online softmax of _online_update, for ROWS rows at once (one cross-warp reduction per tile).
-            ss, d = _stats(x, w[None, :], 1, ACC64, TOKEN_PAIR)
+            # An online softmax over ROWS rows at once: both statistics of the tile in one cross-warp reduction.
+            ss, d = _stats(x, w[None, :], 1, ACC64, True)
             s = tl.where(i < K, _score(ss, d, H, eps, ACC64), -float("inf"))
             m_new = tl.maximum(m, tl.max(s, axis=0))
             p = tl.exp(s - m_new)
-            if TOKEN_LAZY:
-                if m_new > m:  # the rescale only where the running max grew (else alpha = 1 exactly)
-                    alpha = tl.exp(m - m_new)
-                    acc = acc * alpha.to(tl.float32)
-                    l_sum = l_sum * alpha
-                acc = acc + tl.sum(p.to(tl.float32)[:, None] * x, axis=0)
-                l_sum = l_sum + tl.sum(p, axis=0)
-            else:
-                alpha = tl.exp(m - m_new)
-                acc = acc * alpha.to(tl.float32) + tl.sum(p.to(tl.float32)[:, None] * x, axis=0)
-                l_sum = l_sum * alpha + tl.sum(p, axis=0)
+            alpha = tl.exp(m - m_new)
+            acc = acc * alpha.to(tl.float32) + tl.sum(p.to(tl.float32)[:, None] * x, axis=0)
+            l_sum = l_sum * alpha + tl.sum(p, axis=0)
             m = m_new
         # The prefix candidate, last.
-        m, l_sum, acc = _online_update(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64, TOKEN_PAIR, TOKEN_LAZY)
+        m, l_sum, acc = _fold_row(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64)
         mix = acc / l_sum.to(tl.float32)
     if FUSED and ONW_AHEAD:
         # The epilogue below with the output norm's weight already in registers (no FP8 output here).

@@ -91,24 +91,18 @@ def _sum_pair(a0, b0, a1, b1):
 _INTERPRETED = tl.constexpr(isinstance(_sum_pair, InterpretedFunction))
 
 
-# The statistics' form and the online softmax's rescale, per kernel: PAIR, both statistics in one two-operand
-# reduction (else two sums); LAZY, the accumulator rescaled only where the running max grew (else on every row).
-ROWS_PAIR = tl.constexpr(False)
-ROWS_LAZY = tl.constexpr(False)
-TOKEN_PAIR = tl.constexpr(False)
-TOKEN_LAZY = tl.constexpr(False)
-
-
 @triton.jit
 def _stats(x, w, AXIS: tl.constexpr, ACC64: tl.constexpr, PAIR: tl.constexpr = False):
     # (sum v^2, <v, w>) along AXIS. bf16/fp16 I/O: FP32 is ample (the output rounding dominates by far).
     # fp32 I/O: the score's summation error would dominate the output error (p = softmax(s) amplifies an
     # absolute score error into a relative weight error), so products and sums run in FP64 (exact products).
+    # PAIR: both FP32 sums in one two-operand reduction, one cross-warp round (shared memory, barrier) for the
+    # two; the per-token kernel's choice (docs/benchmarks.md, "The statistics in one reduction"). The rows
+    # kernel keeps two sums: its fused variants were slower with one.
     if ACC64:
         xd = x.to(tl.float64)
         return tl.sum(xd * xd, axis=AXIS), tl.sum(xd * w.to(tl.float64), axis=AXIS)
     elif PAIR and not _INTERPRETED:
-        # Both sums in one two-operand reduction: one cross-warp round (shared memory, barrier) for the pair.
         return tl.reduce((x * x, x * w), AXIS, _sum_pair)
     else:
         return tl.sum(x * x, axis=AXIS), tl.sum(x * w, axis=AXIS)
@@ -367,26 +361,15 @@ def _load_candidate_row(prefix_ptr, blocks_ptr, t, i, K, cols, hmask, stride_pt,
 
 
 @triton.jit
-def _online_update(x, w, m, l_sum, acc, H, eps, ACC64: tl.constexpr, PAIR: tl.constexpr = False,
-                   LAZY: tl.constexpr = False):
+def _online_update(x, w, m, l_sum, acc, H, eps, ACC64: tl.constexpr):
     # One candidate row into the online softmax: rescale the running sum when the running max grows.
-    ss, d = _stats(x, w, 0, ACC64, PAIR)
+    ss, d = _stats(x, w, 0, ACC64)
     s = _score(ss, d, H, eps, ACC64)
     m_new = tl.maximum(m, s)
+    alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new)
-    if LAZY:
-        if m_new > m:
-            # The running max grew: rescale. Otherwise alpha would be exp(0) = 1 exactly, and the row-wide
-            # multiply is skipped (a uniform branch: one scalar per program).
-            alpha = tl.exp(m - m_new)
-            acc = acc * alpha.to(tl.float32)
-            l_sum = l_sum * alpha
-        acc = acc + p.to(tl.float32) * x
-        l_sum = l_sum + p
-    else:
-        alpha = tl.exp(m - m_new)
-        acc = acc * alpha.to(tl.float32) + p.to(tl.float32) * x
-        l_sum = l_sum * alpha + p
+    acc = acc * alpha.to(tl.float32) + p.to(tl.float32) * x
+    l_sum = l_sum * alpha + p
     return m_new, l_sum, acc
 
 
@@ -457,7 +440,7 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
                                   stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC,
                                   H_STRIDED, HAS_ADDEND)
             x = xr.to(tl.float32)
-            m, l_sum, acc = _online_update(x, w, m, l_sum, acc, H, eps, ACC64, ROWS_PAIR, ROWS_LAZY)
+            m, l_sum, acc = _online_update(x, w, m, l_sum, acc, H, eps, ACC64)
             if j % (K + 1) == K:
                 if FUSED:
                     _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_ptr,
@@ -482,7 +465,7 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
         vn = _load_step_fused(prefix_ptr, blocks_ptr, addend_ptr, pid, nprog, j + PREFETCH, steps, K, cols, hmask,
                               stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, stride_at, stride_ah, VEC,
                               H_STRIDED, HAS_ADDEND)
-        m, l_sum, acc = _online_update(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64, ROWS_PAIR, ROWS_LAZY)
+        m, l_sum, acc = _online_update(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64)
         if j % (K + 1) == K:
             # Last candidate of a token: write its row, start the next token's softmax.
             if FUSED:
