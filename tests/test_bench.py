@@ -211,12 +211,21 @@ def test_layer_step_fused_equals_unfused_on_cpu():
     assert step.final_k == 2 and step.blocks[:, 2:].isnan().all()
 
 
+def test_layer_step_bytes_count_every_row_once():
+    # Two layers at capacity 3: site (K, write) = (0, 0), (1, -1), (1, -1), (1, -1); final mix K = 1.
+    step = layer.Step(2, 16, 3, 2, torch.bfloat16, torch.bfloat16, torch.device("cpu"), "token")
+    assert step.sites == [(0, 0), (1, -1), (1, -1), (1, -1)]
+    rows = (0 + 2 + 3) + 3 * (1 + 2 + 2) + (1 + 1 + 1)  # reads + writes per call
+    assert step.bytes() == rows * 2 * 16 * 2
+
+
 def test_layer_section(timer):
     res = layer.run(Options(tokens=[1, 2], **TINY), timer)
     assert [r["T"] for r in res["rows"]] == [1, 2]
     for r in res["rows"]:
         assert r["calls"] == 49 and r["K_final"] == 8
         assert r["site:k3_ops"] == pytest.approx(r["us:k3_ops"] / 49) and _positive(r["us:unfused"])
+        assert r["bw_floor"] == pytest.approx(r["bytes"] / res["limits"]["copy_bandwidth_Bps"] * 1e6)
 
 
 def test_host_section_has_torch_add_and_every_call(timer):

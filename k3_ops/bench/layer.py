@@ -8,13 +8,15 @@ model: no call can start before its predecessor's output exists). Every site has
 
 The step is timed per replay of the whole captured step (graph replay; wall time per step on a CPU), for the
 fused op and for the unfused sequence (torch's add, the snapshot copy, ``attn_res``, torch's RMSNorm per site).
-"floor" = calls per step x the same run's graph-node time: what the step would cost if every call were free.
+"floor" = calls per step x the same run's graph-node time: what the step would cost if every call were free;
+"bandwidth floor" = the bytes the step must move (every call's rows read and written once) at the same run's copy
+bandwidth: what it would cost if every byte came from DRAM at that rate (less can: L2 may keep rows between calls).
 """
 from __future__ import annotations
 
 import torch
 
-from .common import EPS, Ops, Options, environment, k3_ops_ops, progress, site_weights, unfused
+from .common import EPS, Ops, Options, bytes_moved, environment, k3_ops_ops, progress, site_weights, unfused
 from .timing import Timer
 
 DEFAULTS = {
@@ -57,6 +59,14 @@ class Step:
     def calls(self) -> int:
         return len(self.sites) + 1
 
+    def bytes(self) -> int:
+        """Bytes the step must move: each fused site reads its prefix, addend and K block rows and writes its new
+        prefix, its output and (where it snapshots) the slot; the final mix reads K + 1 rows and writes one."""
+        T, _, H = self.blocks.shape
+        size = self.blocks.element_size()
+        total = sum(bytes_moved(T, H, size, K + 2, 2 + (write >= 0)) for K, write in self.sites)
+        return total + bytes_moved(T, H, size, self.final_k + 1, 1)
+
     def run(self, fused, attn_res) -> torch.Tensor:
         prefix, addend = self.prefix, self.addend
         for (K, write), (nw, pw, onw) in zip(self.sites, self.weights):
@@ -98,6 +108,8 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
                     row["vs_unfused"] = row["us:unfused"] / row[f"us:{first}"]
                 if node:
                     row["floor"] = step.calls() * node
+                row["bytes"] = step.bytes()
+                row["bw_floor"] = row["bytes"] / limits["copy_bandwidth_Bps"] * 1e6
                 rows.append(row)
                 del step
     names = list(steps)
@@ -108,6 +120,7 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
         columns.append(["vs_unfused", "unfused / " + names[0], ".2f"])
     if node:
         columns.append(["floor", "graph-node floor us", ".1f"])
+    columns.append(["bw_floor", "bandwidth floor us", ".1f"])
     timing = "one CUDA graph per step, replayed" if timer.mode == "graph" else "wall time per step"
     return {"section": "layer", "title": f"layer schedule ({layers} layers, 2 fused sites each, final mix)",
             "environment": environment(device), "limits": limits,
