@@ -15,11 +15,14 @@ from test_fused import NORM_RTOL, FusedCase, _truncate_to_bf16, bits, positional
 from test_npu_simulated import NpuTensor, simulated_npu  # noqa: F401  (the fixture)
 
 #: Forced launch configurations per path: the per-token kernel with one- and two-row tiles (the decode default is
-#: four) and with one tile of every block row, the rows kernel with its row held in registers (prefetch 1) and
-#: pipelined through shared memory (prefetch 0, the large-T default), and the split kernel.
+#: four; two rows over 8 warps also load the output norm's weight ahead) and with one tile of every block row, the
+#: rows kernel with its row held in registers (prefetch 1) and pipelined through shared memory (prefetch 0, the
+#: large-T default), and the split kernel.
 FORCED = {
     "token": dict(kernel="token", rows_per_tile=2, num_warps=4),
     "token-1row": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=1),
+    # The table's plan at 65-128 tokens, K = 5..6: the loop with the output norm's weight loaded ahead (ONW_AHEAD).
+    "token-2row-w8": dict(kernel="token", rows_per_tile=2, num_warps=8, num_stages=1),
     "token-onetile": dict(kernel="token", rows_per_tile=0, num_warps=8),  # every block row in one tile
     "rows": dict(kernel="rows", prefetch=1),
     "rows-pipelined": dict(kernel="rows", prefetch=0, num_stages=3),

@@ -216,12 +216,13 @@ def test_cuda_launch_table_overrides():
 
     old = cuda.set_launch_config(8, 8, cuda.LaunchConfig(kernel="rows", num_warps=2))
     try:
-        plan = cuda.choose_config(7, 5, 7168, torch.device("cpu"))
+        plan = cuda.choose_config(7, 7, 7168, torch.device("cpu"))  # K = 7..8: the K bucket 8
         assert plan.kernel == "rows" and plan.num_warps == 2 and plan.block_h == 8192
+        assert cuda.choose_config(7, 6, 7168, torch.device("cpu")).kernel != "rows"  # K = 5..6: the K bucket 6
     finally:
         cuda.set_launch_config(8, 8, old)
     # Restored: the table resolves to what the old entry resolves to (a cluster entry, to its fallback on the CPU).
-    assert cuda.choose_config(7, 5, 7168, torch.device("cpu")) == cuda.choose_config(7, 5, 7168, torch.device("cpu"),
+    assert cuda.choose_config(7, 7, 7168, torch.device("cpu")) == cuda.choose_config(7, 7, 7168, torch.device("cpu"),
                                                                                       old)
     plan = cuda.choose_config(18, 4, 7168, torch.device("cpu"), cuda.LaunchConfig(kernel="split", chunk=512))
     assert (plan.kernel, plan.chunk, plan.p, plan.k_pad) == ("split", 512, 14, 8)
@@ -229,6 +230,11 @@ def test_cuda_launch_table_overrides():
     plan = cuda.choose_config(64, 8, 7168, torch.device("cpu"))
     assert (plan.kernel, plan.rows_per_tile, plan.pdl) == ("token", 4, False)
     assert cuda.choose_config(cuda.TOKEN_MAX_T, 8, 7168, torch.device("cpu")).rows_per_tile == 1
+    # 65-128 tokens, K = 5..8: tiles of 4 rows, but of 2 at K = 5..6 (a 4-row tiling would pad them to 8 rows).
+    for K, rows in ((5, 2), (6, 2), (7, 4), (8, 4)):
+        for T in (65, 128):
+            plan = cuda.choose_config(T, K, 7168, torch.device("cpu"))
+            assert (plan.kernel, plan.rows_per_tile, plan.num_warps, plan.num_stages) == ("token", rows, 8, 1), (T, K)
     assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 16, 7168, torch.device("cpu")).kernel == "rows"
     for K in (1, 4, 8):
         # K <= 4: the one-tile plan; K = 5..8: one row at a time.

@@ -39,6 +39,10 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
   1024, 2048, K = 1..4 (the rows kernel's range before 4fb5ecc; since then the table runs it up to 512 tokens).
 - layer_one_tile_large: the layer schedule with that plan at K <= 4 up to 512 tokens (at every T, so it also
   replaces the cluster entries at K = 2..4 up to 32 tokens: docs/data/one_tile_large_h200_f5a5419.txt).
+- token_tiles: the per-token kernel's tiles at K = 5..8, 65-256 tokens: the table (2-row tiles at K = 5..6 up to
+  128 tokens since they replaced 4-row ones there, tiles4_before), 2-row tiles with 8 warps (1 or 2 stages), one
+  row with 8 warps and 3 stages; plain and fused, T = 80, 128, 192, 256, K = 5..8; the table timed first and last.
+- token_tiles_layouts: the same variants, plain, token- and block-major, T = 128 and 16384, K = 5 and 8.
 """
 from __future__ import annotations
 
@@ -133,6 +137,20 @@ def one_tile(max_t: int = 256) -> Ops:
     return variant(lambda T, K, f: ONE_TILE if T <= max_t and K <= 4 else None)
 
 
+def token_tiles(config: cuda.LaunchConfig) -> Ops:
+    """``config`` for K = 5..8 at 65-256 tokens (the table: 4-row tiles, 2-row at K = 5..6, up to 128 tokens; one
+    row with 4 warps above)."""
+    return variant(lambda T, K, f: config if 64 < T <= 256 and K >= 5 else None)
+
+
+#: The token_tiles section's variants, the table measured first and again last: at some shapes the first plan timed
+#: after a change of shape took up to 1 us more than the same plan timed again (docs/benchmarks.md, "Plain mix").
+TOKEN_TILES = {"table": TABLE,
+               "tiles4_before": variant(lambda T, K, f: token(4, 8) if 64 < T <= 128 and 5 <= K <= 6 else None),
+               "tiles2_w8": token_tiles(token(2, 8, 1)), "row_w8_s3": token_tiles(token(1, 8, 3)),
+               "tiles2_w8_s2": token_tiles(token(2, 8, 2)), "table_again": TABLE}
+
+
 SECTIONS = {
     "k12": ({"table": TABLE, "previous": variant(lambda T, K, f: previous_k12(T, K))},
             dict(tokens=[1, 2, 4, 8, 16, 32, 64, 128, 256], blocks=[1, 2]), (mix, fused)),
@@ -174,6 +192,10 @@ SECTIONS = {
                        dict(tokens=[384, 512, 768, 1024, 2048], blocks=[1, 2, 3, 4]), (mix, fused)),
     "layer_one_tile_large": ({"table": TABLE, "one_tile_w8": one_tile(512)}, dict(tokens=[1, 8, 64, 512]),
                              (layer,)),
+    "token_tiles": (TOKEN_TILES, dict(tokens=[80, 128, 192, 256], blocks=[5, 6, 7, 8]), (mix, fused)),
+    # One buffer for 16384 tokens, as the main job's: a block-major token's rows lie 235 MB apart.
+    "token_tiles_layouts": (TOKEN_TILES, dict(tokens=[128, 16384], blocks=[5, 8], layouts=["token", "block"]),
+                            (mix,)),
     "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
                       "stream": variant(lambda T, K, f: STREAM)},
                      dict(tokens=[2048, 8192], blocks=[2, 5, 8]), (mix, fused)),
@@ -192,8 +214,8 @@ def output_dir(doc: str) -> str:
 
 def options(**grid) -> Options:
     """The bench options of every same-run comparison in tools/: no reference rows, 10 ms per measurement,
-    token-major buffers (``grid``: tokens, blocks, ...)."""
-    return Options(refs=False, rep_ms=10, layouts=["token"], **grid)
+    token-major buffers unless ``grid`` names its layouts (``grid``: tokens, blocks, layouts, ...)."""
+    return Options(**{"refs": False, "rep_ms": 10, "layouts": ["token"], **grid})
 
 
 def save(result: dict, path: str, label: str) -> None:

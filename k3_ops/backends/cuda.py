@@ -243,7 +243,8 @@ class LaunchConfig:
 
 
 T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 62)
-K_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 1 << 62)
+#: K = 5..6 and 7..8 are buckets of their own: at 65-128 tokens they take different tiles (``_default_entry``).
+K_BUCKETS = (1, 2, 4, 6, 8, 16, 32, 64, 1 << 62)
 #: Split path only while K + 1 fits the [K_PAD, chunk] register tile.
 SPLIT_MAX_CANDIDATES = 16
 #: The largest tile (rows x next_pow2(H)) a one-tile token plan holds (rows_per_tile 0); larger K take 4-row tiles.
@@ -251,8 +252,8 @@ ONE_TILE_MAX_ELEMENTS = 8 * 8192
 #: The token path is the default up to this many tokens at every K, the rows path above (docs/benchmarks.md,
 #: "Plain mix")...
 TOKEN_MAX_T = 256
-#: ... except for K <= 8 (every K of Kimi K3; the K buckets 1, 2, 4 and 8), which keeps the token path up to this many
-#: tokens.
+#: ... except for K <= 8 (every K of Kimi K3; the K buckets 1, 2, 4, 6 and 8), which keeps the token path up to this
+#: many tokens.
 TOKEN_MAX_T_K8 = 512
 
 
@@ -297,7 +298,12 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   rows kernel stays there.
     # - K >= 5 at 65-128 tokens (K = 5..8 at 1-64 tokens where the cluster kernel cannot run): one program per
     #   token, tiles of 4 block rows, 8 warps, no software pipelining (a tile's 4 rows are already in flight
-    #   together; a second stage only adds shared-memory traffic).
+    #   together; a second stage only adds shared-memory traffic); at 65-128 tokens, K = 5..6 tiles of 2 rows
+    #   (4-row tiles pad K = 5 / 6 to 8 rows, 2-row tiles to 6; at 2 rows and 8 warps the fused call also loads
+    #   its output norm's weight with the inputs). Two runs at f31b667 (docs/data/token_tiles_k56_h200_f31b667.txt),
+    #   the table measured before and after the variants: T = 128, K = 5 the fused call 6.84 / 7.07 us against
+    #   7.60-7.69 and the plain op 5.69 / 5.92 against 5.90-6.08; K = 6 7.21 against 7.86-7.90 and 6.04 against
+    #   6.11-6.24; at K = 7..8 2-row tiles lose the plain op (T = 128, K = 8: 7.10-7.45 against 6.53-6.74).
     # - Large T: the persistent rows kernel with 4 warps: its [8192]-wide FP32 accumulator, weight and current row
     #   need ~255 registers per thread, so exactly two 4-warp programs fit an SM. It stages its rows through shared
     #   memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 /
@@ -323,14 +329,14 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   against 174.2 / 665.3; K = 4 at T = 16384 576.8 and 360.9 against 745.0 and 386.0. Not below: at T = 1024,
     #   K = 8 the fused call gains (70.7 against 81.8) but the plain op, which shares the plan, loses (50.8 against
     #   46.6); at T = 4096, K = 4 the plain op ties (103.4 against 102.6), and at K = 1 it loses at every T.
-    if (t_bucket > 2048 and k_bucket == 8) or (t_bucket > 4096 and k_bucket == 4):
+    if (t_bucket > 2048 and k_bucket in (6, 8)) or (t_bucket > 4096 and k_bucket == 4):
         return LaunchConfig(kernel="stream", min_k=3, fallback=ROWS_CONFIG)
     # The cluster entries. At K = 5..8 the CTAs per token fall as the tokens grow (8 up to 8 tokens, 4 up to 32, 2
     # up to 64): an 8-CTA cluster must fit in one GPC, and fewer of them than 16 tokens' fit at once (T = 12 / 16,
     # K = 5, plain: 8 CTAs 3.01 / 3.56 us, 4 CTAs 3.09 / 3.12). At K = 3..4 (the 5-candidate variant, fewer
     # registers) 8 CTAs per token beat the one-tile plan at every measured T up to 32; 4 CTAs were up to 0.09 us
     # faster at T = 16 and 0.3-0.4 us slower at T = 32 (the fused call 4.72 / 4.87 against 4.31 / 4.42 at K = 3 / 4).
-    if t_bucket <= 64 and k_bucket == 8:
+    if t_bucket <= 64 and k_bucket in (6, 8):
         before = (LaunchConfig(kernel="split", chunk=512) if t_bucket <= 4 else
                   LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
         size = 8 if t_bucket <= 8 else 4 if t_bucket <= 32 else 2
@@ -341,8 +347,8 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     if t_bucket <= TOKEN_MAX_T_K8 and k_bucket <= 4:
         return one_tile
     if t_bucket <= 128:
-        return LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1)
-    if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_K8 and k_bucket == 8):
+        return LaunchConfig(kernel="token", rows_per_tile=2 if k_bucket == 6 else 4, num_warps=8, num_stages=1)
+    if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_K8 and k_bucket in (6, 8)):
         return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3)
     return ROWS_CONFIG
 
