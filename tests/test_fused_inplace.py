@@ -341,8 +341,9 @@ INTERPRETER_CASES = [c for c in CASES if c.base.T and c.base.dtype != torch.floa
 # "npu": its single-read kernel at these H; "cuda-onetile": the per-token kernel with every block row in one tile,
 # which stores the updated prefix and the snapshot at their load rather than in the epilogue; "cuda-2row-w8": its
 # loop over 2-row tiles with 8 warps (the table's plan at 65-128 tokens, K = 5..6), which loads the output norm's
-# weight with the inputs.
-@pytest.mark.parametrize("policy", ["cuda", "cuda-onetile", "cuda-2row-w8", "npu", "npu-two-pass"])
+# weight with the inputs; "cuda-prefix-first": that loop with the prefix candidate folded first, which stores the
+# updated prefix and the snapshot before the loop.
+@pytest.mark.parametrize("policy", ["cuda", "cuda-onetile", "cuda-2row-w8", "cuda-prefix-first", "npu", "npu-two-pass"])
 @pytest.mark.parametrize("case", case_params(INTERPRETER_CASES))
 def test_policies_under_interpreter(case: ServingCase, policy: str, monkeypatch):
     """The CUDA and NPU backends' fused_attn_res_ on CPU tensors (one kernel launch each), against the contract and
@@ -353,8 +354,10 @@ def test_policies_under_interpreter(case: ServingCase, policy: str, monkeypatch)
     backend = npu if policy.startswith("npu") else cuda
     forced = "two_pass" if policy == "npu-two-pass" else None
     if policy.startswith("cuda-"):
-        forced_plan = (cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8) if policy == "cuda-onetile"
-                       else cuda.LaunchConfig(kernel="token", rows_per_tile=2, num_warps=8, num_stages=1))
+        forced_plan = {"cuda-onetile": cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8),
+                       "cuda-2row-w8": cuda.LaunchConfig(kernel="token", rows_per_tile=2, num_warps=8, num_stages=1),
+                       "cuda-prefix-first": cuda.LaunchConfig(kernel="token", rows_per_tile=2, num_warps=8,
+                                                              num_stages=1, prefix_first=True)}[policy]
         real_choose = cuda.choose_config
 
         def choose(T, K, H, device, config=None):

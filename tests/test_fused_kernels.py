@@ -23,6 +23,9 @@ FORCED = {
     "token-1row": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=1),
     # The table's plan at 65-128 tokens, K = 5..6: the loop with the output norm's weight loaded ahead (ONW_AHEAD).
     "token-2row-w8": dict(kernel="token", rows_per_tile=2, num_warps=8, num_stages=1),
+    # The prefix candidate folded first: the fused call's stores before the loop (LaunchConfig.prefix_first).
+    "token-prefix-first": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3, prefix_first=True),
+    "token-2row-w8-prefix-first": dict(kernel="token", rows_per_tile=2, num_warps=8, num_stages=1, prefix_first=True),
     "token-onetile": dict(kernel="token", rows_per_tile=0, num_warps=8),  # every block row in one tile
     "rows": dict(kernel="rows", prefetch=1),
     "rows-pipelined": dict(kernel="rows", prefetch=0, num_stages=3),

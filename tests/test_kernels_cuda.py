@@ -91,6 +91,7 @@ PATHS = {
     "token": dict(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1),  # the decode default, PDL on
     "token-1row-nopdl": dict(kernel="token", rows_per_tile=1, num_stages=1, pdl=False),
     "token-2row": dict(kernel="token", rows_per_tile=2, num_warps=8, num_stages=1),  # 65-128 tokens, K = 5..6
+    "token-1row-prefix-first": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3, prefix_first=True),
     "token-8row": dict(kernel="token", rows_per_tile=8, num_warps=16, num_stages=1),
     "token-onetile": dict(kernel="token", rows_per_tile=0, num_warps=8),  # every block row in one tile
     "rows": dict(kernel="rows"),  # rows held in registers, one prefetched

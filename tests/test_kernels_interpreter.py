@@ -51,6 +51,8 @@ def cuda_config(path: str | None):
         return {"config": LaunchConfig(kernel="rows", prefetch=0, num_stages=3)}
     if path == "token-onetile":  # every block row in one tile, the prefix beside it (rows_per_tile 0)
         return {"config": LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8)}
+    if path == "token-prefix-first":  # 4-row tiles, the prefix candidate folded first
+        return {"config": LaunchConfig(kernel="token", rows_per_tile=4, num_stages=1, prefix_first=True)}
     if path.startswith("token-"):  # the decode kernel with 1- or 8-row tiles (the default is 4)
         return {"config": LaunchConfig(kernel="token", rows_per_tile=int(path[6:-3]), num_stages=1)}
     return {"config": LaunchConfig(kernel=path, prefetch=1) if path == "rows" else LaunchConfig(kernel=path)}
@@ -135,8 +137,8 @@ FORCED = [
 
 
 @pytest.mark.parametrize("sample", [pytest.param(s, id=s.id) for s in FORCED])
-@pytest.mark.parametrize("path", ["token", "token-1row", "token-8row", "token-onetile", "rows", "rows-pipelined",
-                                  "split"])
+@pytest.mark.parametrize("path", ["token", "token-1row", "token-8row", "token-onetile", "token-prefix-first", "rows",
+                                  "rows-pipelined", "split"])
 def test_cuda_paths_forced(path, sample):
     args = sample.make(seed=1)
     check_contract(run_policy("cuda", args, **cuda_config(path)), args, f"cuda-{path}:{sample.id}")
@@ -257,6 +259,12 @@ def test_cuda_launch_table_overrides():
     with pytest.raises(ValueError, match=r"LaunchConfig.rows_per_tile 0 \(one tile\) is the token path's only, got "
                                          r"kernel 'rows'"):
         cuda.LaunchConfig(kernel="rows", rows_per_tile=0)
+    with pytest.raises(ValueError, match=r"LaunchConfig.prefix_first is the token path's with rows_per_tile >= 1 only, "
+                                         r"got kernel 'token', rows_per_tile 0"):
+        cuda.LaunchConfig(kernel="token", rows_per_tile=0, prefix_first=True)
+    # No table entry folds the prefix first (not yet timed against the default).
+    assert not any(cuda.choose_config(T, K, 7168, torch.device("cpu")).prefix_first
+                   for T in (1, 64, 65, 128, 129, 512, 1024) for K in range(1, 9))
     # One tile: next_pow2(K) rows for the call's K (K = 0: one masked row), no pipelining.
     one = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, num_stages=3)
     for K, rows in ((0, 1), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)):

@@ -43,10 +43,14 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
   128 tokens since they replaced 4-row ones there, tiles4_before), 2-row tiles with 8 warps (1 or 2 stages), one
   row with 8 warps and 3 stages; plain and fused, T = 80, 128, 192, 256, K = 5..8; the table timed first and last.
 - token_tiles_layouts: the same variants, plain, token- and block-major, T = 128 and 16384, K = 5 and 8.
+- prefix_first: the table's loop plans (K = 5..8 at 65-512 tokens) with the prefix candidate folded before the
+  block rows (LaunchConfig.prefix_first) beside the table, timed first and last; plain and fused, T = 80..512.
+- layer_prefix_first: the layer schedule with it (its K = 5..8 sites at T = 512).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -143,6 +147,17 @@ def token_tiles(config: cuda.LaunchConfig) -> Ops:
     return variant(lambda T, K, f: config if 64 < T <= 256 and K >= 5 else None)
 
 
+def prefix_first() -> Ops:
+    """The table's own loop plans (the per-token kernel with rows_per_tile >= 1) with the prefix candidate folded
+    first; every other entry as the table has it."""
+    def rule(T, K, f):
+        own = cuda.LAUNCH_TABLE[(cuda.bucket(T, cuda.T_BUCKETS), cuda.bucket(max(K, 1), cuda.K_BUCKETS))]
+        if own.kernel == "token" and own.rows_per_tile >= 1:
+            return dataclasses.replace(own, prefix_first=True)
+        return None
+    return variant(rule)
+
+
 #: The token_tiles section's variants, the table measured first and again last: at some shapes the first plan timed
 #: after a change of shape took up to 1 us more than the same plan timed again (docs/benchmarks.md, "Plain mix").
 TOKEN_TILES = {"table": TABLE,
@@ -192,6 +207,10 @@ SECTIONS = {
                        dict(tokens=[384, 512, 768, 1024, 2048], blocks=[1, 2, 3, 4]), (mix, fused)),
     "layer_one_tile_large": ({"table": TABLE, "one_tile_w8": one_tile(512)}, dict(tokens=[1, 8, 64, 512]),
                              (layer,)),
+    "prefix_first": ({"table": TABLE, "prefix_first": prefix_first(), "table_again": TABLE},
+                     dict(tokens=[80, 128, 192, 256, 384, 512], blocks=[5, 6, 7, 8]), (mix, fused)),
+    "layer_prefix_first": ({"table": TABLE, "prefix_first": prefix_first(), "table_again": TABLE},
+                           dict(tokens=[1, 8, 64, 512]), (layer,)),
     "token_tiles": (TOKEN_TILES, dict(tokens=[80, 128, 192, 256], blocks=[5, 6, 7, 8]), (mix, fused)),
     # One buffer for 16384 tokens, as the main job's: a block-major token's rows lie 235 MB apart.
     "token_tiles_layouts": (TOKEN_TILES, dict(tokens=[128, 16384], blocks=[5, 8], layouts=["token", "block"]),

@@ -188,6 +188,11 @@ class LaunchConfig:
     rows_per_tile: token path only, block rows per [ROWS, BLOCK_H] tile (a power of two), or 0: one tile holding
         every block row of the call (next_pow2(K) rows) with the prefix row beside it, no loop (``ONE_TILE``), where
         that tile is at most ``ONE_TILE_MAX_ELEMENTS`` (else 4-row tiles); either way unpipelined.
+    prefix_first: token path with a loop (rows_per_tile >= 1) only: fold the prefix candidate into the online
+        softmax before the block rows, not after them, so that its row is dead in the loop (sm_90, triton 3.8: the
+        fused call's 120-byte spill at one row per tile and 4 warps goes, and 4-row tiles take 243 registers, not
+        255) and the fused call stores the new prefix and the snapshot before the loop; other rounding, the same
+        in the plain op and the fused call. False in every table entry: not yet timed against the default.
     num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads (each stage
         past the first holds a tile in shared memory: (num_stages - 1) x rows_per_tile x next_pow2(H) x itemsize
         bytes on the token path, which must fit the device's opt-in, 227 KB on an H200).
@@ -218,6 +223,7 @@ class LaunchConfig:
     cluster_size: int = 8
     min_k: int = 1
     fallback: LaunchConfig | None = None
+    prefix_first: bool = False
 
     def __post_init__(self):
         if self.kernel not in ("token", "rows", "split", "tiles", "cluster", "stream"):
@@ -240,6 +246,9 @@ class LaunchConfig:
         for name in ("ctas_per_sm", "tokens_per_prog", "num_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LaunchConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_first and (self.kernel != "token" or self.rows_per_tile == 0):
+            raise ValueError("LaunchConfig.prefix_first is the token path's with rows_per_tile >= 1 only, got kernel "
+                             f"{self.kernel!r}, rows_per_tile {self.rows_per_tile}")
 
 
 T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 62)
@@ -391,6 +400,7 @@ class _Plan:
     block_h: int = 0  # token, rows
     rows_per_tile: int = 0  # token
     one_tile: bool = False  # token: every block row in one tile of rows_per_tile rows
+    prefix_first: bool = False  # token with a loop: the prefix candidate folded before the block rows
     pdl: bool = False  # token, rows
     tokens_per_prog: int = 1  # tiles
     ctas_per_sm: int = 0  # rows
@@ -490,7 +500,8 @@ def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Pla
                 # of 8192 columns would not fit the shared memory).
                 rows, one_tile = 4, False
         return _Plan("token", config.num_warps or _rows_warps(block_h), block_h=block_h, rows_per_tile=rows,
-                     one_tile=one_tile, pdl=pdl, num_stages=stages, maxnreg=config.maxnreg)
+                     one_tile=one_tile, prefix_first=config.prefix_first and not one_tile, pdl=pdl,
+                     num_stages=stages, maxnreg=config.maxnreg)
     if config.kernel == "split":
         k_pad = next_power_of_2(K + 1)
         chunk = min(config.chunk, block_h)
@@ -576,7 +587,8 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
                      and plan.num_warps >= 8)
             return dict(BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile, NUM_STAGES=plan.num_stages,
                         USE_PDL=plan.pdl, **common, **({"ONW_AHEAD": True} if ahead else {}),
-                        **({"ONE_TILE": True} if plan.one_tile else {}))
+                        **({"ONE_TILE": True} if plan.one_tile else {}),
+                        **({"PREFIX_FIRST": True} if plan.prefix_first else {}))
         if plan.kernel == "rows":
             return dict(BLOCK_H=plan.block_h, PREFETCH=plan.prefetch, NUM_STAGES=plan.num_stages,
                         USE_PDL=plan.pdl, **common)

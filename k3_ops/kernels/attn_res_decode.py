@@ -27,8 +27,13 @@ The output norm's weight (``ONW_AHEAD``, set by the launch policy where the regi
 two rows over 8 warps, no FP8 output) is loaded with the inputs, so that its latency hides behind theirs instead
 of adding an L2 round trip after the mix; with larger tiles, or 4 warps, holding it spills.
 
+``PREFIX_FIRST`` (a loop plan's ``LaunchConfig.prefix_first``, in no table entry yet): the prefix candidate folded
+into the online softmax before the tiles, so that its row is not held through the loop and the fused call's
+new_prefix and snapshot stores drain beside the tiles.
+
 Recompile safety: T, K, every stride and write_idx are runtime arguments in ``do_not_specialize``; the compile
-key is (dtype, BLOCK_H, ROWS, VEC, H_STRIDED, ACC64, NUM_STAGES, USE_PDL, the fused flags, ONW_AHEAD, num_warps).
+key is (dtype, BLOCK_H, ROWS, VEC, H_STRIDED, ACC64, NUM_STAGES, USE_PDL, the fused flags, ONW_AHEAD, ONE_TILE,
+PREFIX_FIRST, num_warps).
 """
 from __future__ import annotations
 
@@ -85,7 +90,7 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                           INPLACE_PREFIX: tl.constexpr = False, NORM_FP32_MIX: tl.constexpr = False,
                           FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False,
                           FP8_MAX: tl.constexpr = 448.0, ONW_AHEAD: tl.constexpr = False,
-                          ONE_TILE: tl.constexpr = False):
+                          ONE_TILE: tl.constexpr = False, PREFIX_FIRST: tl.constexpr = False):
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -137,9 +142,24 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                                   stride_ph, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND,
                                   False, INPLACE_PREFIX)
     else:
-        m = _acc_full([], -float("inf"), ACC64)
-        l_sum = _acc_full([], 0.0, ACC64)
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        if PREFIX_FIRST:
+            # The prefix candidate first: its weight is exp(0) = 1, so acc starts as the row itself (K = 0: the mix
+            # is the new prefix exactly, -0.0 included), and the row is dead before the tiles (fewer live
+            # registers in the loop). The fused call's stores follow its reduction, which every warp's copy of
+            # the row has entered (the in-place prefix: see the one-tile branch above).
+            vf = v.to(tl.float32)
+            ss_v, d_v = _stats(vf, w, 0, ACC64, True)
+            m = _score(ss_v, d_v, H, eps, ACC64)
+            l_sum = _acc_full([], 1.0, ACC64)
+            acc = vf
+            if FUSED:
+                _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt,
+                                      stride_ph, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED,
+                                      HAS_ADDEND, SNAPSHOT, INPLACE_PREFIX)
+        else:
+            m = _acc_full([], -float("inf"), ACC64)
+            l_sum = _acc_full([], 0.0, ACC64)
+            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.range(0, tl.cdiv(K, ROWS), num_stages=NUM_STAGES):
             i = j * ROWS + r
             # Rows >= K are masked lanes: never addressed, so NaN-filled capacity is never read.
@@ -156,21 +176,25 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
             acc = acc * alpha.to(tl.float32) + tl.sum(p.to(tl.float32)[:, None] * x, axis=0)
             l_sum = l_sum * alpha + tl.sum(p, axis=0)
             m = m_new
-        # The prefix candidate, last.
-        m, l_sum, acc = _fold_row(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64)
+        if not PREFIX_FIRST:
+            # The prefix candidate, last.
+            m, l_sum, acc = _fold_row(v.to(tl.float32), w, m, l_sum, acc, H, eps, ACC64)
         mix = acc / l_sum.to(tl.float32)
     if FUSED and ONW_AHEAD:
         # The epilogue below with the output norm's weight already in registers (no FP8 output here).
-        if not ONE_TILE:
+        if not ONE_TILE and not PREFIX_FIRST:
             _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt,
                                   stride_ph, stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND,
                                   SNAPSHOT, INPLACE_PREFIX)
-        x = _norm_input(tl.where(K == 0, v.to(tl.float32), mix), hmask, prefix_ptr, NORM_FP32_MIX)
+        if not PREFIX_FIRST:
+            mix = tl.where(K == 0, v.to(tl.float32), mix)
+        x = _norm_input(mix, hmask, prefix_ptr, NORM_FP32_MIX)
         _store_out(out_ptr, t, cols, hmask, x * _norm_scale(tl.sum(x * x, axis=0), H, out_eps) * g, stride_ot, VEC)
-    elif FUSED and ONE_TILE:
+    elif FUSED and (ONE_TILE or PREFIX_FIRST):
         # The output side only: the new prefix and the snapshot are stored above. K = 0: the mix IS the new prefix
-        # (as in _serving_epilogue).
-        mix = tl.where(K == 0, v.to(tl.float32), mix)
+        # (as in _serving_epilogue; with PREFIX_FIRST it already is, bit for bit).
+        if ONE_TILE:
+            mix = tl.where(K == 0, v.to(tl.float32), mix)
         _serving_row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC,
                          OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX)
     elif FUSED:
