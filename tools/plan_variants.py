@@ -72,6 +72,11 @@ def rows_kernel(warps: int, ctas_per_sm: int, stages: int) -> cuda.LaunchConfig:
                              num_stages=stages)
 
 
+def table_entry(T: int, K: int) -> cuda.LaunchConfig:
+    """The launch table's own entry for (T, K), before it resolves."""
+    return cuda.LAUNCH_TABLE[(cuda.bucket(T, cuda.T_BUCKETS), cuda.bucket(max(K, 1), cuda.K_BUCKETS))]
+
+
 def variant(rule) -> Ops:
     """Ops whose plan choice is ``rule(T, K, fused_call)``: a LaunchConfig, "fallback" (a cluster plan's
     fallback), or None (the table's plan)."""
@@ -117,7 +122,7 @@ def cluster_everywhere(size: int, max_t: int = 512) -> Ops:
     def rule(T, K, f):
         if T > max_t:
             return None
-        own = cuda.LAUNCH_TABLE[(cuda.bucket(T, cuda.T_BUCKETS), cuda.bucket(K, cuda.K_BUCKETS))]
+        own = table_entry(T, K)
         own = own.fallback if own.kernel == "cluster" and own.fallback is not None else own
         return cuda.LaunchConfig(kernel="cluster", cluster_size=size, min_k=1, fallback=own)
     return variant(rule)
@@ -151,7 +156,7 @@ def prefix_first() -> Ops:
     """The table's own loop plans (the per-token kernel with rows_per_tile >= 1) with the prefix candidate folded
     first; every other entry as the table has it."""
     def rule(T, K, f):
-        own = cuda.LAUNCH_TABLE[(cuda.bucket(T, cuda.T_BUCKETS), cuda.bucket(max(K, 1), cuda.K_BUCKETS))]
+        own = table_entry(T, K)
         if own.kernel == "token" and own.rows_per_tile >= 1:
             return dataclasses.replace(own, prefix_first=True)
         return None
