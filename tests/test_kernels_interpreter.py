@@ -262,9 +262,13 @@ def test_cuda_launch_table_overrides():
     with pytest.raises(ValueError, match=r"LaunchConfig.prefix_first is the token path's with rows_per_tile >= 1 only, "
                                          r"got kernel 'token', rows_per_tile 0"):
         cuda.LaunchConfig(kernel="token", rows_per_tile=0, prefix_first=True)
-    # No table entry folds the prefix first (not yet timed against the default).
-    assert not any(cuda.choose_config(T, K, 7168, torch.device("cpu")).prefix_first
-                   for T in (1, 64, 65, 128, 129, 512, 1024) for K in range(1, 9))
+    # The prefix candidate first: the one-row plans at K = 5..8, 129-512 tokens, and no other entry.
+    for T in (1, 64, 65, 128, 129, 256, 257, 512, 513, 1024):
+        for K in (1, 4, 5, 8, 9, 16):
+            plan = cuda.choose_config(T, K, 7168, torch.device("cpu"))
+            expected = 128 < T <= cuda.TOKEN_MAX_T_K8 and 5 <= K <= 8
+            assert plan.prefix_first == expected, (T, K)
+            assert not expected or (plan.kernel, plan.rows_per_tile, plan.num_warps) == ("token", 1, 4), (T, K)
     # One tile: next_pow2(K) rows for the call's K (K = 0: one masked row), no pipelining.
     one = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, num_stages=3)
     for K, rows in ((0, 1), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)):

@@ -44,8 +44,14 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
   row with 8 warps and 3 stages; plain and fused, T = 80, 128, 192, 256, K = 5..8; the table timed first and last.
 - token_tiles_layouts: the same variants, plain, token- and block-major, T = 128 and 16384, K = 5 and 8.
 - prefix_first: the table's loop plans (K = 5..8 at 65-512 tokens) with the prefix candidate folded before the
-  block rows (LaunchConfig.prefix_first) beside the table, timed first and last; plain and fused, T = 80..512.
-- layer_prefix_first: the layer schedule with it (its K = 5..8 sites at T = 512).
+  block rows (LaunchConfig.prefix_first) and after them, beside the table (which folds it first in its one-row
+  plans at 129-512 tokens since the run of this section at 149d12a), timed first and last; plain and fused,
+  T = 80..512.
+- layer_prefix_first: the layer schedule with them (its K = 5..8 sites at T = 512).
+- loop_plans: the one-row plan at 129-512 tokens, K >= 5, with the prefix last (the table before 149d12a's run),
+  and with it first at 2 or 4 stages, 8 warps, 2-row tiles (8 warps unpipelined, 4 warps 2 stages); plain and
+  fused, T = 192..512, K = 5, 8, 12, 16; the table timed first and last.
+- layer_loop_plans: the layer schedule with them, T = 512.
 """
 from __future__ import annotations
 
@@ -63,8 +69,9 @@ from k3_ops.bench.common import Ops, Options  # noqa: E402
 _table_choice = cuda.choose_config
 
 
-def token(rows: int, warps: int, stages: int = 1) -> cuda.LaunchConfig:
-    return cuda.LaunchConfig(kernel="token", rows_per_tile=rows, num_warps=warps, num_stages=stages)
+def token(rows: int, warps: int, stages: int = 1, prefix_first: bool = False) -> cuda.LaunchConfig:
+    return cuda.LaunchConfig(kernel="token", rows_per_tile=rows, num_warps=warps, num_stages=stages,
+                             prefix_first=prefix_first)
 
 
 def rows_kernel(warps: int, ctas_per_sm: int, stages: int) -> cuda.LaunchConfig:
@@ -152,15 +159,29 @@ def token_tiles(config: cuda.LaunchConfig) -> Ops:
     return variant(lambda T, K, f: config if 64 < T <= 256 and K >= 5 else None)
 
 
-def prefix_first() -> Ops:
+def prefix_order(first: bool) -> Ops:
     """The table's own loop plans (the per-token kernel with rows_per_tile >= 1) with the prefix candidate folded
-    first; every other entry as the table has it."""
+    first (``first``) or last; every other entry as the table has it."""
     def rule(T, K, f):
         own = table_entry(T, K)
         if own.kernel == "token" and own.rows_per_tile >= 1:
-            return dataclasses.replace(own, prefix_first=True)
+            return dataclasses.replace(own, prefix_first=first)
         return None
     return variant(rule)
+
+
+def loop_plan(config: cuda.LaunchConfig) -> Ops:
+    """``config`` at 129-512 tokens, every K >= 5 (the table: one row, 4 warps, 3 stages, the prefix first at
+    K = 5..8, 129-512 tokens; K > 8 the prefix last up to 256 tokens, the rows kernel above)."""
+    return variant(lambda T, K, f: config if 128 < T <= 512 and K >= 5 else None)
+
+
+#: The loop_plans section's variants: the one-row plan around the table's (the prefix last as before, other
+#: stages and warps), 2-row tiles, each with the prefix first; the table timed first and last.
+LOOP_PLANS = {"table": TABLE, "prefix_last": loop_plan(token(1, 4, 3)),
+              "pf_s2": loop_plan(token(1, 4, 2, True)), "pf_s4": loop_plan(token(1, 4, 4, True)),
+              "pf_w8_s3": loop_plan(token(1, 8, 3, True)), "pf_2row_w8": loop_plan(token(2, 8, 1, True)),
+              "pf_2row_w4_s2": loop_plan(token(2, 4, 2, True)), "table_again": TABLE}
 
 
 #: The token_tiles section's variants, the table measured first and again last: at some shapes the first plan timed
@@ -212,10 +233,14 @@ SECTIONS = {
                        dict(tokens=[384, 512, 768, 1024, 2048], blocks=[1, 2, 3, 4]), (mix, fused)),
     "layer_one_tile_large": ({"table": TABLE, "one_tile_w8": one_tile(512)}, dict(tokens=[1, 8, 64, 512]),
                              (layer,)),
-    "prefix_first": ({"table": TABLE, "prefix_first": prefix_first(), "table_again": TABLE},
+    "prefix_first": ({"table": TABLE, "prefix_last": prefix_order(False), "prefix_first": prefix_order(True),
+                      "table_again": TABLE},
                      dict(tokens=[80, 128, 192, 256, 384, 512], blocks=[5, 6, 7, 8]), (mix, fused)),
-    "layer_prefix_first": ({"table": TABLE, "prefix_first": prefix_first(), "table_again": TABLE},
+    "layer_prefix_first": ({"table": TABLE, "prefix_last": prefix_order(False), "prefix_first": prefix_order(True),
+                            "table_again": TABLE},
                            dict(tokens=[1, 8, 64, 512]), (layer,)),
+    "loop_plans": (LOOP_PLANS, dict(tokens=[192, 256, 384, 512], blocks=[5, 8, 12, 16]), (mix, fused)),
+    "layer_loop_plans": (LOOP_PLANS, dict(tokens=[512]), (layer,)),
     "token_tiles": (TOKEN_TILES, dict(tokens=[80, 128, 192, 256], blocks=[5, 6, 7, 8]), (mix, fused)),
     # One buffer for 16384 tokens, as the main job's: a block-major token's rows lie 235 MB apart.
     "token_tiles_layouts": (TOKEN_TILES, dict(tokens=[128, 16384], blocks=[5, 8], layouts=["token", "block"]),

@@ -192,7 +192,7 @@ class LaunchConfig:
         softmax before the block rows, not after them, so that its row is dead in the loop (sm_90, triton 3.8: the
         fused call's 120-byte spill at one row per tile and 4 warps goes, and 4-row tiles take 243 registers, not
         255) and the fused call stores the new prefix and the snapshot before the loop; other rounding, the same
-        in the plain op and the fused call. False in every table entry: not yet timed against the default.
+        in the plain op and the fused call. The table's one-row plans at K = 5..8 (129-512 tokens) set it.
     num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads (each stage
         past the first holds a tile in shared memory: (num_stages - 1) x rows_per_tile x next_pow2(H) x itemsize
         bytes on the token path, which must fit the device's opt-in, 227 KB on an H200).
@@ -304,7 +304,15 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   3 stages. At T = 512, K = 8, against the rows kernel, same run: the fused call 35.37 against
     #   42.92 us, the plain op 25.40 against 25.11; at T = 1024 / 2048 the fused call 68.29 / 133.72 against 81.23 /
     #   157.46 but the plain op 47.13 / 89.12 against 46.51 / 89.12, and at K <= 4 the plain op loses 4-10 %: the
-    #   rows kernel stays there.
+    #   rows kernel stays there. At K = 5..8 that plan folds the prefix candidate first (``prefix_first``; its row
+    #   dead in the loop, the fused call's stores before it): same run at 149d12a (tools/plan_variants.py
+    #   prefix_first, docs/data/prefix_first_h200_149d12a.txt), the table timed before and after it, the fused call
+    #   at T = 192 / 256 / 384 / 512, K = 8 13.83 / 15.44 / 27.60 / 30.43 us against 15.54-15.55 / 16.71-16.77 /
+    #   31.51-31.53 / 33.38 (K = 5: 10.31 / 10.86 / 21.62 / 25.06 against 11.89-11.90 / 12.21-12.22 / 24.95 /
+    #   27.48-27.53), the plain op 9.87 / 10.34 / 21.31 / 23.70 against 10.78-10.80 / 11.21-11.26 / 20.53-20.55 /
+    #   24.19-24.21 (it loses at T = 384 only, 2-5 % at every K: the fused call is the one a layer makes twice), the
+    #   layer step at T = 512 1050.4 against 1126.4-1130.0. Not at K > 8 (untimed), nor in the tiles at 65-128 tokens:
+    #   the fused call there 7.79-8.75 us against 6.88-8.72 (T = 80 / 128, K = 5..8).
     # - K >= 5 at 65-128 tokens (K = 5..8 at 1-64 tokens where the cluster kernel cannot run): one program per
     #   token, tiles of 4 block rows, 8 warps, no software pipelining (a tile's 4 rows are already in flight
     #   together; a second stage only adds shared-memory traffic); at 65-128 tokens, K = 5..6 tiles of 2 rows
@@ -358,7 +366,8 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     if t_bucket <= 128:
         return LaunchConfig(kernel="token", rows_per_tile=2 if k_bucket == 6 else 4, num_warps=8, num_stages=1)
     if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_K8 and k_bucket in (6, 8)):
-        return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3)
+        return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3,
+                            prefix_first=k_bucket in (6, 8))
     return ROWS_CONFIG
 
 
