@@ -142,17 +142,18 @@ def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fuse
 
 
 def token(dtype="bf16", block_h=8192, rows=4, num_warps=8, num_stages=1, fused=None, acc64=False, one_tile=False,
-          onw_ahead=False, asm="ptx"):
+          onw_ahead=False, prefix_first=False, asm="ptx"):
     """The per-token decode kernel (kernels/attn_res_decode.py) with PDL, as the CUDA policy launches it; ``asm``:
     which of the compiled forms to return ("ptx", or "ttir" for the Triton IR)."""
     from k3_ops.kernels import attn_res_decode
 
     sig, const = rows_signature(dtype, fused or {})
     del sig["PREFETCH"]
-    for name in ("ROWS", "USE_PDL", "ONE_TILE", "ONW_AHEAD"):
+    for name in ("ROWS", "USE_PDL", "ONE_TILE", "ONW_AHEAD", "PREFIX_FIRST"):
         sig[name] = "constexpr"
     const.update(BLOCK_H=block_h, ROWS=rows, VEC=8 if dtype != "fp32" else 4, H_STRIDED=False, ACC64=acc64,
-                 NUM_STAGES=num_stages, USE_PDL=True, ONE_TILE=one_tile, ONW_AHEAD=onw_ahead)
+                 NUM_STAGES=num_stages, USE_PDL=True, ONE_TILE=one_tile, ONW_AHEAD=onw_ahead,
+                 PREFIX_FIRST=prefix_first)
     src = _source(attn_res_decode.attn_res_token_kernel, sig, const)
     k = triton.compile(src, target=TARGET, options=_options(num_warps))
     return k.asm[asm], k.metadata.shared
@@ -319,7 +320,19 @@ def budget_cases() -> list[tuple[str, str, dict]]:
               for _, kw in bwd_kw(k, cuda.BackwardConfig(kernel="rows"))],
             ("backward-tiles-kpad16", "bwd", dict(tiles_kw, k_pad=16)),
             ("backward-tiles-kpad2", "bwd", dict(tiles_kw, k_pad=2)),
-            *one_tile_cases()]
+            *one_tile_cases(), *loop_cases()]
+
+
+def loop_cases() -> list[tuple[str, str, dict]]:
+    """The per-token loop plan the table runs at K = 5..8, 129-512 tokens (one row at a time, 4 warps, 3 stages,
+    the prefix candidate first), plain, fused with every flag and as vLLM's in-place call makes it, H = 7168."""
+    from k3_ops.backends import cuda
+
+    plan = cuda.choose_config(256, 8, 7168, torch.device("cpu"))
+    kw = dict(rows=plan.rows_per_tile, num_warps=plan.num_warps, num_stages=plan.num_stages,
+              prefix_first=plan.prefix_first)
+    return [("forward-loop-k8", "token", kw), ("forward-loop-k8-fused", "token", dict(kw, fused=FUSED_ALL)),
+            ("forward-loop-k8-serving", "token", dict(kw, fused=SERVING))]
 
 
 def one_tile_cases() -> list[tuple[str, str, dict]]:
