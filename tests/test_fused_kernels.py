@@ -26,6 +26,8 @@ FORCED = {
     # The prefix candidate folded first: the fused call's stores before the loop (LaunchConfig.prefix_first).
     "token-prefix-first": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3, prefix_first=True),
     "token-2row-w8-prefix-first": dict(kernel="token", rows_per_tile=2, num_warps=8, num_stages=1, prefix_first=True),
+    # The table's plan at K = 9..16, 129-512 tokens: one row, 4 stages, the prefix first.
+    "token-1row-s4-prefix-first": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=4, prefix_first=True),
     "token-onetile": dict(kernel="token", rows_per_tile=0, num_warps=8),  # every block row in one tile
     "rows": dict(kernel="rows", prefetch=1),
     "rows-pipelined": dict(kernel="rows", prefetch=0, num_stages=3),
@@ -222,6 +224,7 @@ CUDA_CASES = [
     FusedCase(Sample(T=8, K=1, cap=9, H=7168, dtype=torch.bfloat16), addend=False, write="none"),
     FusedCase(Sample(T=1, K=4, cap=9, H=7168, dtype=torch.float16, layout="blockmajor"), norm="eps", views=True),
     FusedCase(Sample(T=300, K=8, cap=9, H=7168, dtype=torch.bfloat16), norm="own"),
+    FusedCase(Sample(T=200, K=12, cap=16, H=7168, dtype=torch.bfloat16), norm="own"),
     FusedCase(Sample(T=33, K=3, cap=5, H=4096, dtype=torch.float32), write="last", norm="own"),
     FusedCase(Sample(T=5, K=0, cap=9, H=7168, dtype=torch.bfloat16), norm="eps"),
 ]

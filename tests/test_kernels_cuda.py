@@ -70,7 +70,8 @@ CONTRACT = [
     Sample(T=64, K=8, cap=9, H=7168),  # the cluster kernel, 2 CTAs per token
     Sample(T=2, K=2, cap=9, H=7168),  # the cluster kernel, 8 CTAs per token, its 2-block variant
     Sample(T=30, K=6, cap=9, H=7168, layout="blockmajor"),  # 4 CTAs per token, block-major rows
-    Sample(T=512, K=8, cap=8, H=7168),
+    Sample(T=512, K=8, cap=8, H=7168),  # one row, 3 stages, the prefix first
+    Sample(T=300, K=12, cap=16, H=7168, layout="blockmajor"),  # one row, 4 stages, the prefix first
     Sample(T=400, K=3, cap=9, H=7168, layout="blockmajor"),  # the one-tile plan at 257-512 tokens
     Sample(T=4096, K=2, cap=9, H=7168, layout="blockmajor"),
     Sample(T=16384, K=8, cap=8, H=7168),  # the streaming kernel
@@ -92,6 +93,8 @@ PATHS = {
     "token-1row-nopdl": dict(kernel="token", rows_per_tile=1, num_stages=1, pdl=False),
     "token-2row": dict(kernel="token", rows_per_tile=2, num_warps=8, num_stages=1),  # 65-128 tokens, K = 5..6
     "token-1row-prefix-first": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3, prefix_first=True),
+    # K = 9..16 at 129-512 tokens.
+    "token-1row-s4-prefix-first": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=4, prefix_first=True),
     "token-8row": dict(kernel="token", rows_per_tile=8, num_warps=16, num_stages=1),
     "token-onetile": dict(kernel="token", rows_per_tile=0, num_warps=8),  # every block row in one tile
     "rows": dict(kernel="rows"),  # rows held in registers, one prefetched

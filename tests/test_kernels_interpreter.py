@@ -237,13 +237,19 @@ def test_cuda_launch_table_overrides():
         for T in (65, 128):
             plan = cuda.choose_config(T, K, 7168, torch.device("cpu"))
             assert (plan.kernel, plan.rows_per_tile, plan.num_warps, plan.num_stages) == ("token", rows, 8, 1), (T, K)
-    assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 16, 7168, torch.device("cpu")).kernel == "rows"
+    # K = 9..16 keeps the token path up to TOKEN_MAX_T_K16 tokens (one row, 4 stages); K > 16 leaves it above
+    # TOKEN_MAX_T.
+    plan = cuda.choose_config(cuda.TOKEN_MAX_T + 1, 16, 7168, torch.device("cpu"))
+    assert (plan.kernel, plan.rows_per_tile, plan.num_warps, plan.num_stages) == ("token", 1, 4, 4)
+    assert cuda.choose_config(cuda.TOKEN_MAX_T_K16 + 1, 9, 7168, torch.device("cpu")).kernel == "rows"
+    assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 17, 7168, torch.device("cpu")).kernel == "rows"
+    assert cuda.choose_config(cuda.TOKEN_MAX_T, 17, 7168, torch.device("cpu")).num_stages == 3
     for K in (1, 4, 8):
         # K <= 4: the one-tile plan; K = 5..8: one row at a time.
-        plan = cuda.choose_config(cuda.TOKEN_MAX_T_K8, K, 7168, torch.device("cpu"))
+        plan = cuda.choose_config(cuda.TOKEN_MAX_T_K16, K, 7168, torch.device("cpu"))
         assert (plan.kernel, plan.one_tile) == ("token", K <= 4), K
         assert K <= 4 or plan.rows_per_tile == 1, K
-        assert cuda.choose_config(cuda.TOKEN_MAX_T_K8 + 1, K, 7168, torch.device("cpu")).kernel == "rows", K
+        assert cuda.choose_config(cuda.TOKEN_MAX_T_K16 + 1, K, 7168, torch.device("cpu")).kernel == "rows", K
     # The streaming entries (K = 5..8 above 2048 tokens, K = 3..4 above 4096): a CUDA C++ kernel, so on the CPU
     # (and wherever it cannot run) their rows-kernel fallback.
     for (t_bucket, k_bucket) in ((4096, 8), (1 << 62, 8), (1 << 62, 4)):
@@ -262,11 +268,11 @@ def test_cuda_launch_table_overrides():
     with pytest.raises(ValueError, match=r"LaunchConfig.prefix_first is the token path's with rows_per_tile >= 1 only, "
                                          r"got kernel 'token', rows_per_tile 0"):
         cuda.LaunchConfig(kernel="token", rows_per_tile=0, prefix_first=True)
-    # The prefix candidate first: the one-row plans at K = 5..8, 129-512 tokens, and no other entry.
+    # The prefix candidate first: the one-row plans at K = 5..16, 129-512 tokens, and no other entry.
     for T in (1, 64, 65, 128, 129, 256, 257, 512, 513, 1024):
-        for K in (1, 4, 5, 8, 9, 16):
+        for K in (1, 4, 5, 8, 9, 16, 17):
             plan = cuda.choose_config(T, K, 7168, torch.device("cpu"))
-            expected = 128 < T <= cuda.TOKEN_MAX_T_K8 and 5 <= K <= 8
+            expected = 128 < T <= cuda.TOKEN_MAX_T_K16 and 5 <= K <= 16
             assert plan.prefix_first == expected, (T, K)
             assert not expected or (plan.kernel, plan.rows_per_tile, plan.num_warps) == ("token", 1, 4), (T, K)
     # One tile: next_pow2(K) rows for the call's K (K = 0: one masked row), no pipelining.

@@ -324,15 +324,19 @@ def budget_cases() -> list[tuple[str, str, dict]]:
 
 
 def loop_cases() -> list[tuple[str, str, dict]]:
-    """The per-token loop plan the table runs at K = 5..8, 129-512 tokens (one row at a time, 4 warps, 3 stages,
-    the prefix candidate first), plain, fused with every flag and as vLLM's in-place call makes it, H = 7168."""
+    """The per-token loop plans the table runs at K = 5..8 and 9..16, 129-512 tokens (one row at a time, 4 warps,
+    3 and 4 stages, the prefix candidate first), plain, fused with every flag and as vLLM's in-place call makes it,
+    H = 7168."""
     from k3_ops.backends import cuda
 
-    plan = cuda.choose_config(256, 8, 7168, torch.device("cpu"))
-    kw = dict(rows=plan.rows_per_tile, num_warps=plan.num_warps, num_stages=plan.num_stages,
-              prefix_first=plan.prefix_first)
-    return [("forward-loop-k8", "token", kw), ("forward-loop-k8-fused", "token", dict(kw, fused=FUSED_ALL)),
-            ("forward-loop-k8-serving", "token", dict(kw, fused=SERVING))]
+    cases = []
+    for K in (8, 16):
+        plan = cuda.choose_config(256, K, 7168, torch.device("cpu"))
+        kw = dict(rows=plan.rows_per_tile, num_warps=plan.num_warps, num_stages=plan.num_stages,
+                  prefix_first=plan.prefix_first)
+        cases += [(f"forward-loop-k{K}", "token", kw), (f"forward-loop-k{K}-fused", "token", dict(kw, fused=FUSED_ALL)),
+                  (f"forward-loop-k{K}-serving", "token", dict(kw, fused=SERVING))]
+    return cases
 
 
 def one_tile_cases() -> list[tuple[str, str, dict]]:

@@ -3,9 +3,10 @@
 
 Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), kernel paths:
 
-- **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens, ``TOKEN_MAX_T_K8`` for K <= 8):
+- **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens, ``TOKEN_MAX_T_K16`` for K <= 16):
   ``kernels/attn_res_decode.py``, one program per token streaming its K block rows in [ROWS, next_pow2(H)] tiles
-  through an online softmax, the prefix candidate folded in last, or (K <= 4 up to 512 tokens) holding them all in
+  through an online softmax, the prefix candidate folded in last (first in the one-row plans at K = 5..16, 129-512
+  tokens: ``LaunchConfig.prefix_first``), or (K <= 4 up to 512 tokens) holding them all in
   one tile with the prefix row beside it; every row read once, no workspace. With
   programmatic dependent launch (PDL) on sm_90+: a captured chain of calls overlaps each launch with its
   predecessor's tail (``K3_OPS_PDL=0`` turns it off).
@@ -89,7 +90,7 @@ __all__ = [
     "K_BUCKETS",
     "LAUNCH_TABLE",
     "TOKEN_MAX_T",
-    "TOKEN_MAX_T_K8",
+    "TOKEN_MAX_T_K16",
     "INTERPRETER_NUM_SMS",
     "bucket",
     "set_launch_config",
@@ -192,7 +193,7 @@ class LaunchConfig:
         softmax before the block rows, not after them, so that its row is dead in the loop (sm_90, triton 3.8: the
         fused call's 120-byte spill at one row per tile and 4 warps goes, and 4-row tiles take 243 registers, not
         255) and the fused call stores the new prefix and the snapshot before the loop; other rounding, the same
-        in the plain op and the fused call. The table's one-row plans at K = 5..8 (129-512 tokens) set it.
+        in the plain op and the fused call. The table's one-row plans at K = 5..16 (129-512 tokens) set it.
     num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads (each stage
         past the first holds a tile in shared memory: (num_stages - 1) x rows_per_tile x next_pow2(H) x itemsize
         bytes on the token path, which must fit the device's opt-in, 227 KB on an H200).
@@ -261,9 +262,9 @@ ONE_TILE_MAX_ELEMENTS = 8 * 8192
 #: The token path is the default up to this many tokens at every K, the rows path above (docs/benchmarks.md,
 #: "Plain mix")...
 TOKEN_MAX_T = 256
-#: ... except for K <= 8 (every K of Kimi K3; the K buckets 1, 2, 4, 6 and 8), which keeps the token path up to this
-#: many tokens.
-TOKEN_MAX_T_K8 = 512
+#: ... except for K <= 16 (every K of Kimi K3 and up to twice it; the K buckets 1..16), which keeps the token path
+#: up to this many tokens.
+TOKEN_MAX_T_K16 = 512
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -300,19 +301,28 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   against 7.77 / 7.86, K = 2 6.59 / 8.01 against 9.98 / 10.06, but at T = 512, K = 3 / 4 15.13 / 16.70
     #   against 12.41 / 14.99; the layer step at T = 512 1162.3 against 1261.4. Not above: at T = 768-1024 the
     #   fused call loses at K = 1..2 (T = 1024, K = 1 35.37 against 32.84) and the plain op at K = 3..4.
-    # - K >= 5 at 129-256 tokens and K = 5..8 at 257-512 tokens: one program per token, one row at a time, 4 warps,
-    #   3 stages. At T = 512, K = 8, against the rows kernel, same run: the fused call 35.37 against
+    # - K >= 5 at 129-256 tokens and K = 5..8 at 257-512 tokens (K = 9..16: below): one program per token, one row at a
+    #   time, 4 warps, 3 stages. At T = 512, K = 8, against the rows kernel, same run: the fused call 35.37 against
     #   42.92 us, the plain op 25.40 against 25.11; at T = 1024 / 2048 the fused call 68.29 / 133.72 against 81.23 /
-    #   157.46 but the plain op 47.13 / 89.12 against 46.51 / 89.12, and at K <= 4 the plain op loses 4-10 %: the
-    #   rows kernel stays there. At K = 5..8 that plan folds the prefix candidate first (``prefix_first``; its row
-    #   dead in the loop, the fused call's stores before it): same run at 149d12a (tools/plan_variants.py
-    #   prefix_first, docs/data/prefix_first_h200_149d12a.txt), the table timed before and after it, the fused call
-    #   at T = 192 / 256 / 384 / 512, K = 8 13.83 / 15.44 / 27.60 / 30.43 us against 15.54-15.55 / 16.71-16.77 /
-    #   31.51-31.53 / 33.38 (K = 5: 10.31 / 10.86 / 21.62 / 25.06 against 11.89-11.90 / 12.21-12.22 / 24.95 /
-    #   27.48-27.53), the plain op 9.87 / 10.34 / 21.31 / 23.70 against 10.78-10.80 / 11.21-11.26 / 20.53-20.55 /
-    #   24.19-24.21 (it loses at T = 384 only, 2-5 % at every K: the fused call is the one a layer makes twice), the
-    #   layer step at T = 512 1050.4 against 1126.4-1130.0. Not at K > 8 (untimed), nor in the tiles at 65-128 tokens:
-    #   the fused call there 7.79-8.75 us against 6.88-8.72 (T = 80 / 128, K = 5..8).
+    #   157.46 but the plain op 47.13 / 89.12 against 46.51 / 89.12, and at K <= 4 the plain op loses 4-10 %: the rows
+    #   kernel stays there. At K = 5..8 that plan folds the prefix candidate first (``prefix_first``; its row dead in
+    #   the loop, the fused call's stores before it): same run at 149d12a (tools/plan_variants.py prefix_first,
+    #   docs/data/prefix_first_h200_149d12a.txt), the table timed before and after it, the fused call at T = 192 / 256 /
+    #   384 / 512, K = 8 13.83 / 15.44 / 27.60 / 30.43 us against 15.54-15.55 / 16.71-16.77 / 31.51-31.53 / 33.38 (K =
+    #   5: 10.31 / 10.86 / 21.62 / 25.06 against 11.89-11.90 / 12.21-12.22 / 24.95 / 27.48-27.53), the plain op 9.87 /
+    #   10.34 / 21.31 / 23.70 against 10.78-10.80 / 11.21-11.26 / 20.53-20.55 / 24.19-24.21 (it loses at T = 384 only,
+    #   2-5 % at every K: the fused call is the one a layer makes twice), the layer step at T = 512 1050.4 against
+    #   1126.4-1130.0. Not in the tiles at 65-128 tokens: the fused call there 7.79-8.75 us against 6.88-8.72 (T = 80 /
+    #   128, K = 5..8). Around that plan, same run at 16132f0 (tools/plan_variants.py loop_plans,
+    #   docs/data/loop_plans_*_h200_16132f0.json): at K = 5..8 2 or 4 stages, 8 warps and 2-row tiles lose (T = 256, K =
+    #   8, fused: 17.61 / 15.82 / 20.39 / 19.48 us against 15.44).
+    # - K = 9..16 at 129-512 tokens (the rows kernel at 257-512 before): the same one-row plan with 4 stages, the
+    #   prefix first. Same run (loop_plans) against one row with the prefix last, 3 stages (the entry before, up to
+    #   256 tokens) and the rows kernel (above): the fused call at T = 192 / 256 / 384 / 512, K = 12 15.82 / 17.36 /
+    #   32.97 / 36.71 us against 18.74-18.78 / 19.79-19.81 / 54.65-54.75 / 55.27-55.32, K = 16 19.27 / 21.05 /
+    #   40.05 / 43.44 against 22.91-22.97 / 23.90-23.93 / 68.87-68.92 / 69.33-69.46; the plain op K = 16 16.81 /
+    #   17.67 / 34.28 / 37.55 against 17.70-17.71 / 18.41-18.42 / 42.63-42.64 / 42.69-42.70. (At T = 384, 8 warps
+    #   took the plain op lower, 31.92 at K = 16, but the fused call higher, 45.10.) Untimed at K > 16.
     # - K >= 5 at 65-128 tokens (K = 5..8 at 1-64 tokens where the cluster kernel cannot run): one program per
     #   token, tiles of 4 block rows, 8 warps, no software pipelining (a tile's 4 rows are already in flight
     #   together; a second stage only adds shared-memory traffic); at 65-128 tokens, K = 5..6 tiles of 2 rows
@@ -361,11 +371,13 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     one_tile = LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, num_stages=1)
     if (t_bucket <= 32 and k_bucket == 4) or (t_bucket <= 16 and k_bucket == 2):
         return LaunchConfig(kernel="cluster", cluster_size=8, min_k=2 if k_bucket == 2 else 3, fallback=one_tile)
-    if t_bucket <= TOKEN_MAX_T_K8 and k_bucket <= 4:
+    if t_bucket <= TOKEN_MAX_T_K16 and k_bucket <= 4:
         return one_tile
     if t_bucket <= 128:
         return LaunchConfig(kernel="token", rows_per_tile=2 if k_bucket == 6 else 4, num_warps=8, num_stages=1)
-    if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_K8 and k_bucket in (6, 8)):
+    if t_bucket <= TOKEN_MAX_T_K16 and k_bucket == 16:
+        return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=4, prefix_first=True)
+    if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_K16 and k_bucket in (6, 8)):
         return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3,
                             prefix_first=k_bucket in (6, 8))
     return ROWS_CONFIG

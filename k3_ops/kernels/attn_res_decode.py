@@ -27,7 +27,7 @@ The output norm's weight (``ONW_AHEAD``, set by the launch policy where the regi
 two rows over 8 warps, no FP8 output) is loaded with the inputs, so that its latency hides behind theirs instead
 of adding an L2 round trip after the mix; with larger tiles, or 4 warps, holding it spills.
 
-``PREFIX_FIRST`` (a loop plan's ``LaunchConfig.prefix_first``; the table's one-row plans at K = 5..8): the prefix
+``PREFIX_FIRST`` (a loop plan's ``LaunchConfig.prefix_first``; the table's one-row plans at K = 5..16): the prefix
 candidate folded into the online softmax before the tiles, so that its row is not held through the loop and the
 fused call's new_prefix and snapshot stores drain beside the tiles.
 
