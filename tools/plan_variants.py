@@ -52,6 +52,9 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
   and with it first at 2 or 4 stages, 8 warps, 2-row tiles (8 warps unpipelined, 4 warps 2 stages); plain and
   fused, T = 192..512, K = 5, 8, 12, 16; the table timed first and last.
 - layer_loop_plans: the layer schedule with them, T = 512.
+- loop_large: that plan (one row, 4 warps, the prefix first, 3 or 4 stages) above 512 tokens at K >= 5, where the
+  table runs the rows kernel (the streaming kernel at K = 5..8 above 2048 tokens); plain and fused, T = 768..4096,
+  K = 5, 8, 16; the table timed first and last.
 """
 from __future__ import annotations
 
@@ -192,6 +195,14 @@ TOKEN_TILES = {"table": TABLE,
                "tiles2_w8_s2": token_tiles(token(2, 8, 2)), "table_again": TABLE}
 
 
+#: The loop_large section's variants: the one-row loop plan, the prefix first, above 512 tokens at K >= 5 (the
+#: table: the rows kernel, the streaming kernel at K = 5..8 above 2048 tokens), the table timed first and last.
+LOOP_LARGE = {"table": TABLE,
+              **{f"pf_s{st}": variant(lambda T, K, f, st=st: token(1, 4, st, True) if T > 512 and K >= 5 else None)
+                 for st in (3, 4)},
+              "table_again": TABLE}
+
+
 SECTIONS = {
     "k12": ({"table": TABLE, "previous": variant(lambda T, K, f: previous_k12(T, K))},
             dict(tokens=[1, 2, 4, 8, 16, 32, 64, 128, 256], blocks=[1, 2]), (mix, fused)),
@@ -241,6 +252,7 @@ SECTIONS = {
                            dict(tokens=[1, 8, 64, 512]), (layer,)),
     "loop_plans": (LOOP_PLANS, dict(tokens=[192, 256, 384, 512], blocks=[5, 8, 12, 16]), (mix, fused)),
     "layer_loop_plans": (LOOP_PLANS, dict(tokens=[512]), (layer,)),
+    "loop_large": (LOOP_LARGE, dict(tokens=[768, 1024, 2048, 4096], blocks=[5, 8, 16]), (mix, fused)),
     "token_tiles": (TOKEN_TILES, dict(tokens=[80, 128, 192, 256], blocks=[5, 6, 7, 8]), (mix, fused)),
     # One buffer for 16384 tokens, as the main job's: a block-major token's rows lie 235 MB apart.
     "token_tiles_layouts": (TOKEN_TILES, dict(tokens=[128, 16384], blocks=[5, 8], layouts=["token", "block"]),
