@@ -314,8 +314,9 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   2-5 % at every K: the fused call is the one a layer makes twice), the layer step at T = 512 1050.4 against
     #   1126.4-1130.0. Not in the tiles at 65-128 tokens: the fused call there 7.79-8.75 us against 6.88-8.72 (T = 80 /
     #   128, K = 5..8). Around that plan, same run at 16132f0 (tools/plan_variants.py loop_plans,
-    #   docs/data/loop_plans_*_h200_16132f0.json): at K = 5..8 2 or 4 stages, 8 warps and 2-row tiles lose (T = 256, K =
-    #   8, fused: 17.61 / 15.82 / 20.39 / 19.48 us against 15.44).
+    #   docs/data/loop_plans_*_h200_16132f0.json): at K = 5..8 2 stages, 8 warps and 2-row tiles lose (T = 256, K =
+    #   8, fused: 17.61 / 20.39 / 19.48 us against 15.44), and 4 stages gain 0.3-4 % at T = 192, K = 5 and 8 and
+    #   T = 384, K = 8 but lose elsewhere, up to 6.6 % (T = 256, K = 8 in the same 129-256 bucket: 15.82).
     # - K = 9..16 at 129-512 tokens (the rows kernel at 257-512 before): the same one-row plan with 4 stages, the
     #   prefix first. Same run (loop_plans) against one row with the prefix last, 3 stages (the entry before, up to
     #   256 tokens) and the rows kernel (above): the fused call at T = 192 / 256 / 384 / 512, K = 12 15.82 / 17.36 /
@@ -375,11 +376,10 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
         return one_tile
     if t_bucket <= 128:
         return LaunchConfig(kernel="token", rows_per_tile=2 if k_bucket == 6 else 4, num_warps=8, num_stages=1)
-    if t_bucket <= TOKEN_MAX_T_K16 and k_bucket == 16:
-        return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=4, prefix_first=True)
-    if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_K16 and k_bucket in (6, 8)):
-        return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3,
-                            prefix_first=k_bucket in (6, 8))
+    if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_K16 and k_bucket <= 16):
+        # K = 5..16 (the K buckets 6, 8 and 16 here) fold the prefix first; K = 9..16 with 4 stages.
+        return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=4 if k_bucket == 16 else 3,
+                            prefix_first=k_bucket <= 16)
     return ROWS_CONFIG
 
 
