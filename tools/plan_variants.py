@@ -173,10 +173,11 @@ def prefix_order(first: bool) -> Ops:
     return variant(rule)
 
 
-def loop_plan(config: cuda.LaunchConfig) -> Ops:
-    """``config`` at 129-512 tokens, every K >= 5 (the table: one row, 4 warps, 3 stages, the prefix first at
-    K = 5..8, 129-512 tokens; K > 8 the prefix last up to 256 tokens, the rows kernel above)."""
-    return variant(lambda T, K, f: config if 128 < T <= 512 and K >= 5 else None)
+def loop_plan(config: cuda.LaunchConfig, tokens: tuple[int, int] = (129, 512)) -> Ops:
+    """``config`` at ``tokens`` (first, last), every K >= 5. The table at 129-512 tokens: one row, 4 warps, the
+    prefix first, 3 stages at K = 5..8 and (since 2c759f6) 4 at K = 9..16; before 2c759f6, K > 8 took one row with
+    the prefix last up to 256 tokens and the rows kernel above."""
+    return variant(lambda T, K, f: config if tokens[0] <= T <= tokens[1] and K >= 5 else None)
 
 
 #: The loop_plans section's variants: the one-row plan around the table's (the prefix last as before, other
@@ -197,9 +198,7 @@ TOKEN_TILES = {"table": TABLE,
 
 #: The loop_large section's variants: the one-row loop plan, the prefix first, above 512 tokens at K >= 5 (the
 #: table: the rows kernel, the streaming kernel at K = 5..8 above 2048 tokens), the table timed first and last.
-LOOP_LARGE = {"table": TABLE,
-              **{f"pf_s{st}": variant(lambda T, K, f, st=st: token(1, 4, st, True) if T > 512 and K >= 5 else None)
-                 for st in (3, 4)},
+LOOP_LARGE = {"table": TABLE, **{f"pf_s{st}": loop_plan(token(1, 4, st, True), (513, 1 << 62)) for st in (3, 4)},
               "table_again": TABLE}
 
 
