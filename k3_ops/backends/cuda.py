@@ -3,9 +3,10 @@
 
 Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), kernel paths:
 
-- **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens, ``TOKEN_MAX_T_K16`` for K <= 16):
+- **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens, ``TOKEN_MAX_T_K16`` for K <= 16, and
+  ``LOOP_MAX_T`` for K = 5..16):
   ``kernels/attn_res_decode.py``, one program per token streaming its K block rows in [ROWS, next_pow2(H)] tiles
-  through an online softmax, the prefix candidate folded in last (first in the one-row plans at K = 5..16, 129-512
+  through an online softmax, the prefix candidate folded in last (first in the one-row plans at K = 5..16 above 128
   tokens: ``LaunchConfig.prefix_first``), or (K <= 4 up to 512 tokens) holding them all in
   one tile with the prefix row beside it; every row read once, no workspace. With
   programmatic dependent launch (PDL) on sm_90+: a captured chain of calls overlaps each launch with its
@@ -91,6 +92,7 @@ __all__ = [
     "LAUNCH_TABLE",
     "TOKEN_MAX_T",
     "TOKEN_MAX_T_K16",
+    "LOOP_MAX_T",
     "INTERPRETER_NUM_SMS",
     "bucket",
     "set_launch_config",
@@ -193,7 +195,7 @@ class LaunchConfig:
         softmax before the block rows, not after them, so that its row is dead in the loop (sm_90, triton 3.8: the
         fused call's 120-byte spill at one row per tile and 4 warps goes, and 4-row tiles take 243 registers, not
         255) and the fused call stores the new prefix and the snapshot before the loop; other rounding, the same
-        in the plain op and the fused call. The table's one-row plans at K = 5..16 (129-512 tokens) set it.
+        in the plain op and the fused call. The table's one-row plans at K = 5..16 (above 128 tokens) set it.
     num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads (each stage
         past the first holds a tile in shared memory: (num_stages - 1) x rows_per_tile x next_pow2(H) x itemsize
         bytes on the token path, which must fit the device's opt-in, 227 KB on an H200).
@@ -263,8 +265,10 @@ ONE_TILE_MAX_ELEMENTS = 8 * 8192
 #: "Plain mix")...
 TOKEN_MAX_T = 256
 #: ... except for K <= 16 (every K of Kimi K3 and up to twice it; the K buckets 1..16), which keeps the token path
-#: up to this many tokens.
+#: up to this many tokens...
 TOKEN_MAX_T_K16 = 512
+#: ... and K = 5..16 further, up to this many tokens per K bucket (the one-row plan, the prefix first, 3 stages).
+LOOP_MAX_T = {6: 2048, 8: 2048, 16: 4096}
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -324,6 +328,17 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   40.05 / 43.44 against 22.91-22.97 / 23.90-23.93 / 68.87-68.92 / 69.33-69.46; the plain op K = 16 16.81 /
     #   17.67 / 34.28 / 37.55 against 17.70-17.71 / 18.41-18.42 / 42.63-42.64 / 42.69-42.70. (At T = 384, 8 warps
     #   took the plain op lower, 31.92 at K = 16, but the fused call higher, 45.10.) Untimed at K > 16.
+    # - Above 512 tokens, K = 5..8 up to 2048 and K = 9..16 up to 4096 (``LOOP_MAX_T``; the rows kernel before): the
+    #   one-row plan, the prefix first, 3 stages. Same run at f779dc5 (tools/plan_variants.py loop_large,
+    #   docs/data/loop_large_*_h200_f779dc5.json), the table timed first and last: the fused call at T = 768 / 1024 /
+    #   2048, K = 8 43.59 / 56.72 / 108.69 us against 62.35 / 81.57 / 157.88-158.05 (K = 5: 35.78 / 46.37 / 87.55
+    #   against 45.64-45.80 / 59.38-59.48 / 114.04-114.09; K = 16 at T = 4096: 296.36 against 519.86-520.21), the
+    #   plain op at K = 8 34.46 / 44.91 / 86.39 against 35.75-35.78 / 46.39-46.46 / 89.00 and at K = 16 13-17 %
+    #   faster, but at K = 5 2-3 % slower (T = 1024: 34.16 against 33.04-33.07; the fused call is the one a layer
+    #   makes twice). 4 stages: the fused call 1-5 % slower at every cell, the plain op within 2 % either way. Not
+    #   at K = 5..8 above 2048 tokens, where the streaming kernel gains less against the plain op's loss (T = 4096,
+    #   K = 8: the fused call 210.92 against 225.72-225.94, the plain op 167.06 against 163.61; K = 5: 167.91
+    #   against 178.76-178.79, 123.25 against 118.43).
     # - K >= 5 at 65-128 tokens (K = 5..8 at 1-64 tokens where the cluster kernel cannot run): one program per
     #   token, tiles of 4 block rows, 8 warps, no software pipelining (a tile's 4 rows are already in flight
     #   together; a second stage only adds shared-memory traffic); at 65-128 tokens, K = 5..6 tiles of 2 rows
@@ -376,9 +391,10 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
         return one_tile
     if t_bucket <= 128:
         return LaunchConfig(kernel="token", rows_per_tile=2 if k_bucket == 6 else 4, num_warps=8, num_stages=1)
-    if t_bucket <= TOKEN_MAX_T or (t_bucket <= TOKEN_MAX_T_K16 and k_bucket <= 16):
-        # K = 5..16 (the K buckets 6, 8 and 16 here) fold the prefix first; K = 9..16 with 4 stages.
-        return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=4 if k_bucket == 16 else 3,
+    if t_bucket <= LOOP_MAX_T.get(k_bucket, TOKEN_MAX_T):
+        # K = 5..16 (the K buckets 6, 8 and 16 here) fold the prefix first; K = 9..16 with 4 stages up to 512 tokens.
+        return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4,
+                            num_stages=4 if k_bucket == 16 and t_bucket <= TOKEN_MAX_T_K16 else 3,
                             prefix_first=k_bucket <= 16)
     return ROWS_CONFIG
 
