@@ -55,6 +55,8 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
 - loop_large: that plan (one row, 4 warps, the prefix first, 3 or 4 stages) above 512 tokens at K >= 5, where the
   table runs the rows kernel (the streaming kernel at K = 5..8 above 2048 tokens); plain and fused, T = 768..4096,
   K = 5, 8, 16; the table timed first and last.
+- loop_large_small_k: the same plan (3 or 4 stages) above 512 tokens at K = 1..4, where the table runs the rows
+  kernel up to 4096 tokens; plain and fused, T = 768..4096, K = 1..4; the table timed first and last.
 """
 from __future__ import annotations
 
@@ -173,11 +175,12 @@ def prefix_order(first: bool) -> Ops:
     return variant(rule)
 
 
-def loop_plan(config: cuda.LaunchConfig, tokens: tuple[int, int] = (129, 512)) -> Ops:
-    """``config`` at ``tokens`` (first, last), every K >= 5. The table at 129-512 tokens: one row, 4 warps, the
+def loop_plan(config: cuda.LaunchConfig, tokens: tuple[int, int] = (129, 512),
+              blocks: tuple[int, int] = (5, 1 << 62)) -> Ops:
+    """``config`` at ``tokens`` (first, last) and ``blocks`` (first, last K; default every K >= 5). The table at 129-512 tokens: one row, 4 warps, the
     prefix first, 3 stages at K = 5..8 and (since 2c759f6) 4 at K = 9..16; before 2c759f6, K > 8 took one row with
     the prefix last up to 256 tokens and the rows kernel above."""
-    return variant(lambda T, K, f: config if tokens[0] <= T <= tokens[1] and K >= 5 else None)
+    return variant(lambda T, K, f: config if tokens[0] <= T <= tokens[1] and blocks[0] <= K <= blocks[1] else None)
 
 
 #: The loop_plans section's variants: the one-row plan around the table's (the prefix last as before, other
@@ -200,6 +203,11 @@ TOKEN_TILES = {"table": TABLE,
 #: table: the rows kernel, the streaming kernel at K = 5..8 above 2048 tokens), the table timed first and last.
 LOOP_LARGE = {"table": TABLE, **{f"pf_s{st}": loop_plan(token(1, 4, st, True), (513, 1 << 62)) for st in (3, 4)},
               "table_again": TABLE}
+
+#: The loop_large_small_k section's variants: the same plan at K = 1..4 above 512 tokens (the table: the rows
+#: kernel up to 4096 tokens, the streaming kernel above at K = 3..4).
+LOOP_LARGE_SMALL_K = {"table": TABLE, **{f"pf_s{st}": loop_plan(token(1, 4, st, True), (513, 1 << 62), (1, 4))
+                                         for st in (3, 4)}, "table_again": TABLE}
 
 
 SECTIONS = {
@@ -252,6 +260,8 @@ SECTIONS = {
     "loop_plans": (LOOP_PLANS, dict(tokens=[192, 256, 384, 512], blocks=[5, 8, 12, 16]), (mix, fused)),
     "layer_loop_plans": (LOOP_PLANS, dict(tokens=[512]), (layer,)),
     "loop_large": (LOOP_LARGE, dict(tokens=[768, 1024, 2048, 4096], blocks=[5, 8, 16]), (mix, fused)),
+    "loop_large_small_k": (LOOP_LARGE_SMALL_K, dict(tokens=[768, 1024, 2048, 4096], blocks=[1, 2, 3, 4]),
+                           (mix, fused)),
     "token_tiles": (TOKEN_TILES, dict(tokens=[80, 128, 192, 256], blocks=[5, 6, 7, 8]), (mix, fused)),
     # One buffer for 16384 tokens, as the main job's: a block-major token's rows lie 235 MB apart.
     "token_tiles_layouts": (TOKEN_TILES, dict(tokens=[128, 16384], blocks=[5, 8], layouts=["token", "block"]),
