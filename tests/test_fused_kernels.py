@@ -226,6 +226,7 @@ CUDA_CASES = [
     FusedCase(Sample(T=300, K=8, cap=9, H=7168, dtype=torch.bfloat16), norm="own"),
     FusedCase(Sample(T=200, K=12, cap=16, H=7168, dtype=torch.bfloat16), norm="own"),
     FusedCase(Sample(T=1024, K=8, cap=9, H=7168, dtype=torch.bfloat16), norm="own"),  # one row above 512 tokens
+    FusedCase(Sample(T=700, K=4, cap=9, H=7168, dtype=torch.bfloat16), norm="own"),  # the same at K = 3..4
     FusedCase(Sample(T=33, K=3, cap=5, H=4096, dtype=torch.float32), write="last", norm="own"),
     FusedCase(Sample(T=5, K=0, cap=9, H=7168, dtype=torch.bfloat16), norm="eps"),
 ]

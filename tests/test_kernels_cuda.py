@@ -74,6 +74,8 @@ CONTRACT = [
     Sample(T=300, K=12, cap=16, H=7168, layout="blockmajor"),  # one row, 4 stages, the prefix first
     Sample(T=1500, K=6, cap=9, H=7168, layout="blockmajor"),  # one row, 3 stages, the prefix first, above 512
     Sample(T=2500, K=10, cap=12, H=7168),  # the same at K = 9..16
+    Sample(T=3000, K=3, cap=9, H=7168, layout="blockmajor"),  # the same at K = 3..4
+    Sample(T=800, K=4, cap=5, H=7168, dtype=torch.float16),
     Sample(T=400, K=3, cap=9, H=7168, layout="blockmajor"),  # the one-tile plan at 257-512 tokens
     Sample(T=4096, K=2, cap=9, H=7168, layout="blockmajor"),
     Sample(T=16384, K=8, cap=8, H=7168),  # the streaming kernel

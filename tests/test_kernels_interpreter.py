@@ -239,8 +239,8 @@ def test_cuda_launch_table_overrides():
             assert (plan.kernel, plan.rows_per_tile, plan.num_warps, plan.num_stages) == ("token", rows, 8, 1), (T, K)
     # K = 9..16 keeps the token path up to TOKEN_MAX_T_K16 tokens with 4 stages, then up to LOOP_MAX_T with 3;
     # K > 16 leaves it above TOKEN_MAX_T.
-    loop_max = {K: cuda.LOOP_MAX_T[cuda.bucket(K, cuda.K_BUCKETS)] for K in (5, 8, 9, 16)}
-    assert loop_max == {5: 2048, 8: 2048, 9: 4096, 16: 4096}
+    loop_max = {K: cuda.LOOP_MAX_T[cuda.bucket(K, cuda.K_BUCKETS)] for K in (3, 4, 5, 8, 9, 16)}
+    assert loop_max == {3: 4096, 4: 4096, 5: 2048, 8: 2048, 9: 4096, 16: 4096}
     for T, stages in ((cuda.TOKEN_MAX_T + 1, 4), (cuda.TOKEN_MAX_T_K16, 4), (cuda.TOKEN_MAX_T_K16 + 1, 3),
                       (loop_max[16], 3)):
         plan = cuda.choose_config(T, 16, 7168, torch.device("cpu"))
@@ -248,14 +248,15 @@ def test_cuda_launch_table_overrides():
     assert cuda.choose_config(loop_max[9] + 1, 9, 7168, torch.device("cpu")).kernel == "rows"
     assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 17, 7168, torch.device("cpu")).kernel == "rows"
     assert cuda.choose_config(cuda.TOKEN_MAX_T, 17, 7168, torch.device("cpu")).num_stages == 3
-    for K in (1, 4, 5, 8):
-        # K <= 4: the one-tile plan up to TOKEN_MAX_T_K16 tokens, the rows kernel above; K = 5..8: one row at a
-        # time, 3 stages, up to LOOP_MAX_T tokens, then (the streaming entries) the rows kernel on the CPU.
+    for K in (1, 2, 3, 4, 5, 8):
+        # K <= 4: the one-tile plan up to TOKEN_MAX_T_K16 tokens; then the rows kernel at K = 1..2, one row at a
+        # time with 3 stages up to LOOP_MAX_T tokens at K = 3..4; K = 5..8 that plan from 129 tokens to LOOP_MAX_T;
+        # above LOOP_MAX_T (the streaming entries) the rows kernel on the CPU.
         plan = cuda.choose_config(cuda.TOKEN_MAX_T_K16, K, 7168, torch.device("cpu"))
         assert (plan.kernel, plan.one_tile) == ("token", K <= 4), K
-        last = cuda.TOKEN_MAX_T_K16 if K <= 4 else loop_max[K]
+        last = cuda.TOKEN_MAX_T_K16 if K <= 2 else loop_max[K]
         plan = cuda.choose_config(last, K, 7168, torch.device("cpu"))
-        assert plan.kernel == "token" and (K <= 4 or (plan.rows_per_tile, plan.num_stages) == (1, 3)), K
+        assert plan.kernel == "token" and (K <= 2 or (plan.rows_per_tile, plan.num_stages) == (1, 3)), K
         assert cuda.choose_config(last + 1, K, 7168, torch.device("cpu")).kernel == "rows", K
     # The streaming entries (K = 5..8 above 2048 tokens, K = 3..4 above 4096): a CUDA C++ kernel, so on the CPU
     # (and wherever it cannot run) their rows-kernel fallback.
@@ -264,7 +265,7 @@ def test_cuda_launch_table_overrides():
         assert entry.kernel == "stream" and entry.fallback.kernel == "rows", (t_bucket, k_bucket)
     for (T, K) in ((2049, 5), (4097, 3)):
         assert cuda.choose_config(T, K, 7168, torch.device("cpu")).kernel == "rows"
-    assert cuda.LAUNCH_TABLE[(2048, 8)].kernel == "token" and cuda.LAUNCH_TABLE[(4096, 4)].kernel == "rows"
+    assert cuda.LAUNCH_TABLE[(2048, 8)].kernel == "token" and cuda.LAUNCH_TABLE[(4096, 4)].kernel == "token"
     assert cuda.LAUNCH_TABLE[(1 << 62, 2)].kernel == "rows"
     with pytest.raises(ValueError, match=r"LaunchConfig.rows_per_tile must be a power of two >= 1, or 0 for one "
                                          r"tile, got 3"):
@@ -275,12 +276,12 @@ def test_cuda_launch_table_overrides():
     with pytest.raises(ValueError, match=r"LaunchConfig.prefix_first is the token path's with rows_per_tile >= 1 only, "
                                          r"got kernel 'token', rows_per_tile 0"):
         cuda.LaunchConfig(kernel="token", rows_per_tile=0, prefix_first=True)
-    # The prefix candidate first: the one-row plans at K = 5..16 above 128 tokens (up to LOOP_MAX_T), and no other
-    # entry.
+    # The prefix candidate first: the one-row plans at K = 5..16 above 128 tokens and K = 3..4 above 512 (up to
+    # LOOP_MAX_T), and no other entry.
     for T in (1, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 2048, 2049, 4096, 4097):
-        for K in (1, 4, 5, 8, 9, 16, 17):
+        for K in (1, 2, 3, 4, 5, 8, 9, 16, 17):
             plan = cuda.choose_config(T, K, 7168, torch.device("cpu"))
-            expected = 5 <= K <= 16 and 128 < T <= loop_max[5 if K <= 8 else 16]
+            expected = (5 <= K <= 16 and 128 < T <= loop_max[5 if K <= 8 else 16]) or (3 <= K <= 4 and 512 < T <= 4096)
             assert plan.prefix_first == expected, (T, K)
             assert not expected or (plan.kernel, plan.rows_per_tile, plan.num_warps) == ("token", 1, 4), (T, K)
     # One tile: next_pow2(K) rows for the call's K (K = 0: one masked row), no pipelining.
@@ -303,7 +304,8 @@ def test_cuda_launch_table_overrides():
                                                                                             torch.device("cpu"), one)
     assert not cuda.choose_config(64, 5, 7168, torch.device("cpu")).one_tile
     assert not cuda.choose_config(200, 8, 7168, torch.device("cpu")).one_tile
-    assert cuda.choose_config(513, 4, 7168, torch.device("cpu")).kernel == "rows"
+    assert cuda.choose_config(513, 2, 7168, torch.device("cpu")).kernel == "rows"
+    assert not cuda.choose_config(513, 4, 7168, torch.device("cpu")).one_tile  # K = 3..4: one row at a time
     with pytest.raises(ValueError, match=r"LaunchConfig.chunk must be a power of two >= 16, got 100"):
         cuda.LaunchConfig(kernel="split", chunk=100)
     with pytest.raises(ValueError, match=r"must come from T_BUCKETS"):

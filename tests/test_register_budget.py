@@ -63,17 +63,17 @@ def test_one_tile_token_plan_has_no_spills(budget, name):
     assert 0 < r["regs"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 
 
-@pytest.mark.parametrize("name", [f"forward-loop-{k}{f}" for k in ("k8", "k16", "k16-s3")
+@pytest.mark.parametrize("name", [f"forward-loop-{k}{f}" for k in ("k4", "k8", "k16", "k16-s3")
                                   for f in ("", "-fused", "-serving")])
 def test_loop_token_plan_has_no_spills(budget, name):
-    # The table's one-row loop plans at K = 5..8 and 9..16 above 128 tokens (4 warps, 3 stages; 4 at K = 9..16 up to
-    # 512 tokens, 3 above: "-s3"), which fold
+    # The table's one-row loop plans at K = 5..8 and 9..16 above 128 tokens and K = 3..4 above 512 (4 warps, 3
+    # stages; 4 at K = 9..16 up to 512 tokens, 3 above: "-s3"), which fold
     # the prefix candidate first so that its row is dead in the loop. Folded last, the 3-stage plan's fused call at
     # 255 registers spilled 128 bytes of stores and 120 of loads with every flag, 104 / 100 as vLLM's in-place call
     # (triton 3.8; triton 3.9 144 / 140 and 96 / 96); first, none (triton 3.8 255 registers; triton 3.9 232 plain,
     # 233 / 230 fused; at 4 stages 232 / 235 / 226). A spill here would undo the gains in
     # docs/data/prefix_first_h200_149d12a.txt, docs/data/loop_plans_*_h200_16132f0.json and
-    # docs/data/loop_large_*_h200_f779dc5.json.
+    # docs/data/loop_large_*_h200_f779dc5.json and docs/data/loop_large_small_k_*_h200_bf31833.json.
     r = budget[name]
     assert 0 < r["regs"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 

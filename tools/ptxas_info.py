@@ -324,13 +324,14 @@ def budget_cases() -> list[tuple[str, str, dict]]:
 
 
 def loop_cases() -> list[tuple[str, str, dict]]:
-    """The per-token loop plans the table runs at K = 5..8 and 9..16 above 128 tokens (one row at a time, 4 warps,
-    the prefix candidate first; 3 stages, but 4 at K = 9..16 up to 512 tokens: ``-s3`` names that bucket's plan
-    above them), plain, fused with every flag and as vLLM's in-place call makes it, H = 7168."""
+    """The per-token loop plans the table runs at K = 5..8 and 9..16 above 128 tokens and K = 3..4 above 512 (one
+    row at a time, 4 warps, the prefix candidate first; 3 stages, but 4 at K = 9..16 up to 512 tokens: ``-s3``
+    names that bucket's plan above them), plain, fused with every flag and as vLLM's in-place call makes it,
+    H = 7168."""
     from k3_ops.backends import cuda
 
     cases = []
-    for K, T, tag in ((8, 256, ""), (16, 256, ""), (16, 1024, "-s3")):
+    for K, T, tag in ((8, 256, ""), (16, 256, ""), (16, 1024, "-s3"), (4, 1024, "")):
         plan = cuda.choose_config(T, K, 7168, torch.device("cpu"))
         kw = dict(rows=plan.rows_per_tile, num_warps=plan.num_warps, num_stages=plan.num_stages,
                   prefix_first=plan.prefix_first)

@@ -4,10 +4,10 @@
 Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), kernel paths:
 
 - **token** (decode sizes: the default up to ``TOKEN_MAX_T`` tokens, ``TOKEN_MAX_T_K16`` for K <= 16, and
-  ``LOOP_MAX_T`` for K = 5..16):
+  ``LOOP_MAX_T`` for K = 3..16):
   ``kernels/attn_res_decode.py``, one program per token streaming its K block rows in [ROWS, next_pow2(H)] tiles
   through an online softmax, the prefix candidate folded in last (first in the one-row plans at K = 5..16 above 128
-  tokens: ``LaunchConfig.prefix_first``), or (K <= 4 up to 512 tokens) holding them all in
+  tokens and K = 3..4 above 512: ``LaunchConfig.prefix_first``), or (K <= 4 up to 512 tokens) holding them all in
   one tile with the prefix row beside it; every row read once, no workspace. With
   programmatic dependent launch (PDL) on sm_90+: a captured chain of calls overlaps each launch with its
   predecessor's tail (``K3_OPS_PDL=0`` turns it off).
@@ -267,8 +267,8 @@ TOKEN_MAX_T = 256
 #: ... except for K <= 16 (every K of Kimi K3 and up to twice it; the K buckets 1..16), which keeps the token path
 #: up to this many tokens...
 TOKEN_MAX_T_K16 = 512
-#: ... and K = 5..16 further, up to this many tokens per K bucket (the one-row plan, the prefix first, 3 stages).
-LOOP_MAX_T = {6: 2048, 8: 2048, 16: 4096}
+#: ... and K = 3..16 further, up to this many tokens per K bucket (the one-row plan, the prefix first, 3 stages).
+LOOP_MAX_T = {4: 4096, 6: 2048, 8: 2048, 16: 4096}
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -339,6 +339,17 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   at K = 5..8 above 2048 tokens, where the streaming kernel gains less against the plain op's loss (T = 4096,
     #   K = 8: the fused call 210.92 against 225.72-225.94, the plain op 167.06 against 163.61; K = 5: 167.91
     #   against 178.76-178.79, 123.25 against 118.43).
+    # - Above 512 tokens, K = 3..4 up to 4096 (the K bucket 4 of ``LOOP_MAX_T``; the rows kernel before, the
+    #   streaming kernel above): the same plan. Same run at bf31833 (tools/plan_variants.py loop_large_small_k,
+    #   docs/data/loop_large_small_k_*_h200_bf31833.json), the table timed first and last: the fused call at
+    #   T = 768 / 1024 / 2048 / 4096, K = 4 33.01 / 42.53 / 79.67 / 152.16 us against 40.56 / 52.50-52.56 /
+    #   100.12-100.13 / 193.39-193.48 (K = 3: 30.37 / 39.22 / 73.29 / 139.37 against 35.64-35.65 / 45.87-45.91 /
+    #   86.41-86.47 / 166.09-166.19), the plain op 4-7 % slower at K = 4 (T = 1024: 30.34 against 28.62-28.63)
+    #   and 7-12 % at K = 3 (24.23 -> 26.72): the fused call is the one a decoder layer makes twice, and a
+    #   training step's forward is a small part of its backward's time. Not at K = 1..2, where the plain op
+    #   loses more than the fused call gains (K = 1, T = 4096: 66.49 against 49.42 plain, 107.53 against
+    #   114.13-114.31 fused; K = 2, T = 2048: 41.89 against 35.41-35.42, 63.54 against 72.62-72.66); 4 stages
+    #   lose the fused call 2-11 % against 3.
     # - K >= 5 at 65-128 tokens (K = 5..8 at 1-64 tokens where the cluster kernel cannot run): one program per
     #   token, tiles of 4 block rows, 8 warps, no software pipelining (a tile's 4 rows are already in flight
     #   together; a second stage only adds shared-memory traffic); at 65-128 tokens, K = 5..6 tiles of 2 rows
@@ -392,7 +403,8 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     if t_bucket <= 128:
         return LaunchConfig(kernel="token", rows_per_tile=2 if k_bucket == 6 else 4, num_warps=8, num_stages=1)
     if t_bucket <= LOOP_MAX_T.get(k_bucket, TOKEN_MAX_T):
-        # K = 5..16 (the K buckets 6, 8 and 16 here) fold the prefix first; K = 9..16 with 4 stages up to 512 tokens.
+        # K = 3..16 (the K buckets 4, 6, 8 and 16 here) fold the prefix first; K = 9..16 with 4 stages up to 512
+        # tokens.
         return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4,
                             num_stages=4 if k_bucket == 16 and t_bucket <= TOKEN_MAX_T_K16 else 3,
                             prefix_first=k_bucket <= 16)
