@@ -177,9 +177,9 @@ def prefix_order(first: bool) -> Ops:
 
 def loop_plan(config: cuda.LaunchConfig, tokens: tuple[int, int] = (129, 512),
               blocks: tuple[int, int] = (5, 1 << 62)) -> Ops:
-    """``config`` at ``tokens`` (first, last) and ``blocks`` (first, last K; default every K >= 5). The table at 129-512 tokens: one row, 4 warps, the
-    prefix first, 3 stages at K = 5..8 and (since 2c759f6) 4 at K = 9..16; before 2c759f6, K > 8 took one row with
-    the prefix last up to 256 tokens and the rows kernel above."""
+    """``config`` at ``tokens`` (first, last) and ``blocks`` (first, last K; default every K >= 5). The table at
+    129-512 tokens: one row, 4 warps, the prefix first, 3 stages at K = 5..8 and (since 2c759f6) 4 at K = 9..16;
+    before 2c759f6, K > 8 took one row with the prefix last up to 256 tokens and the rows kernel above."""
     return variant(lambda T, K, f: config if tokens[0] <= T <= tokens[1] and blocks[0] <= K <= blocks[1] else None)
 
 
