@@ -98,9 +98,9 @@ CONTRACT_CASES = [
     (Sample(T=7, K=4, cap=8, H=7168, dtype=torch.float32), "token"),
     # The full-capacity profile-run shape. H = 64 instead of 7168 keeps it cheap: the interpreter executes
     # every program's ops in Python, and 512 tokens x 9 candidates at H = 7168 take minutes. T = 520 because it
-    # selects the rows path (and many tokens per NPU program): up to 512 tokens every K <= 8 runs the per-token
-    # kernel.
-    (Sample(T=520, K=4, cap=8, H=64, dtype=torch.bfloat16), "rows"),
+    # selects the rows path at K = 2 (and many tokens per NPU program): up to 512 tokens every K <= 8 runs the
+    # per-token kernel, and above 512 so do K = 3..8.
+    (Sample(T=520, K=2, cap=8, H=64, dtype=torch.bfloat16), "rows"),
     (Sample(T=300, K=8, cap=8, H=64, dtype=torch.bfloat16), "token"),
     (Sample(T=5, K=3, cap=6, H=320, dtype=torch.bfloat16), "token"),
     (Sample(T=5, K=3, cap=6, H=320, dtype=torch.float16), "token"),
@@ -281,7 +281,8 @@ def test_cuda_launch_table_overrides():
     for T in (1, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 2048, 2049, 4096, 4097):
         for K in (1, 2, 3, 4, 5, 8, 9, 16, 17):
             plan = cuda.choose_config(T, K, 7168, torch.device("cpu"))
-            expected = (5 <= K <= 16 and 128 < T <= loop_max[5 if K <= 8 else 16]) or (3 <= K <= 4 and 512 < T <= 4096)
+            expected = ((5 <= K <= 16 and 128 < T <= loop_max[5 if K <= 8 else 16])
+                        or (3 <= K <= 4 and 512 < T <= loop_max[3]))
             assert plan.prefix_first == expected, (T, K)
             assert not expected or (plan.kernel, plan.rows_per_tile, plan.num_warps) == ("token", 1, 4), (T, K)
     # One tile: next_pow2(K) rows for the call's K (K = 0: one masked row), no pipelining.
