@@ -134,10 +134,13 @@ def _floor_truth(rows: torch.Tensor, programs: int, block: int, eps: float, norm
     return out
 
 
-# T = 3: a token split over 8 programs (no exchange between them); T = 20: one program per token.
+# Tile geometry: T = 3 splits a token over 8 programs (no exchange between them), T = 20 takes one program per
+# token. Stream geometry: a token's columns over several programs at every T (H = 1000: 1 to 4 of them by K, the
+# last one's columns partly masked).
+@pytest.mark.parametrize("geometry", ["tile", "stream"])
 @pytest.mark.parametrize("T", [3, 20], ids=lambda T: f"T{T}")
 @pytest.mark.parametrize("K", [0, 2, 8], ids=lambda K: f"K{K}")
-def test_floor_kernel_reads_every_row_and_stores_what_the_call_stores(device, T, K):
+def test_floor_kernel_reads_every_row_and_stores_what_the_call_stores(device, T, K, geometry):
     """The floor under a serving call (bench.floor) does the call's loads, stores and reductions: new_prefix
     and the snapshot are torch's add bit for bit, nothing else in the buffer changes, NaN capacity is never read,
     and its output depends on every candidate row as the kernel's stated arithmetic says."""
@@ -147,13 +150,13 @@ def test_floor_kernel_reads_every_row_and_stores_what_the_call_stores(device, T,
         pytest.skip("the floor kernel runs on CPU tensors only under the Triton interpreter")
     from k3_ops.bench import floor
 
-    H, cap, eps = 64, 9, 1e-6
+    H, cap, eps = (64 if geometry == "tile" else 1000), 9, 1e-6
     problem = common.Problem(T, cap, H, torch.bfloat16, torch.device(device), "token")
     problem.poison(K)
     write = K if K < cap else -1
     args = problem.fused_args(T, K, write)
     before = problem.blocks(T).clone()
-    out, new_prefix = floor.fused_floor(*args)
+    out, new_prefix = floor.fused_floor(*args, geometry=geometry)
     if device == "cpu":  # the interpreter's bf16 store truncates (test_kernels_interpreter): one ulp
         torch.testing.assert_close(new_prefix, args[0] + args[1], rtol=2**-7, atol=0)
     else:
@@ -162,28 +165,35 @@ def test_floor_kernel_reads_every_row_and_stores_what_the_call_stores(device, T,
     others = [i for i in range(cap) if i != write]
     assert torch.equal(blocks[:, others].view(torch.int16), before[:, others].view(torch.int16))
     assert torch.equal(blocks[:, write], new_prefix)
-    rows_, programs, block, _ = floor._geometry(T, K, H)
-    assert programs == (8 if T <= floor.SPLIT_MAX_T else 1)
+    rows_, programs, block, _ = floor._geometry(T, K, H, geometry)
+    if geometry == "tile":
+        assert programs == (8 if T <= floor.SPLIT_MAX_T else 1)
+    else:  # rows x columns at most 4 warps x 32 values, the columns covering H
+        assert programs * block >= H > (programs - 1) * block and rows_ * block <= 4096
+        assert programs == {0: 1, 2: 1, 8: 4}[K]
     candidates = torch.cat([before[:, :K], new_prefix[:, None]], 1).cpu()
     truth = _floor_truth(candidates, programs, block, eps, norm=True)
     assert not out.isnan().any()
     torch.testing.assert_close(out.cpu().double(), truth, rtol=2**-7, atol=1e-2)
-    mix = floor.mix_floor(*problem.attn_res_args(T, K))
+    mix = floor.mix_floor(*problem.attn_res_args(T, K), geometry=geometry)
     truth = _floor_truth(torch.cat([before[:, :K], args[0][:, None]], 1).cpu(), programs, block, eps, norm=False)
     torch.testing.assert_close(mix.cpu().double(), truth, rtol=2**-7, atol=1e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
 def test_gpu_sections_time_the_floor_beside_the_calls_and_train_only_differentiable_references():
-    """On a GPU the mix and fused sections carry the floor column, and the train section (which steps every
-    reference through autograd) does not take the floor, which has no backward."""
+    """On a GPU the mix, fused and layer sections carry the floor in both geometries, and the train section
+    (which steps every reference through autograd) does not take the floor, which has no backward."""
     opts = Options(device="cuda", hidden=256, tokens=[4], blocks=[2], rep_ms=0.5, quick=True, progress=False)
     timer = Timer("cuda", rep_ms=0.5, quick=True)
     for section in (mix, fused):
         res = section.run(opts, timer)
         row = next(r for r in res["rows"] if r["layout"] == "token")
-        assert _positive(row["us:floor"]) and _positive(row["us:k3_ops"])
+        assert all(_positive(row[f"us:{n}"]) for n in ("floor", "floor_stream", "k3_ops"))
         assert res["notes"] == []
+    res = layer.run(Options(device="cuda", hidden=256, tokens=[4], rep_ms=0.5, quick=True, progress=False), timer)
+    assert all(_positive(res["rows"][0][f"us:{n}"]) for n in ("k3_ops", "unfused", "floor_kernel", "floor_stream"))
+    assert res["notes"] == []
     res = train.run(opts, timer)
     assert {k.split(":")[1] for k in res["rows"][0] if k.startswith("us:")} == {"k3_ops", "eager", "compile"}
 

@@ -9,9 +9,14 @@ of one token: where it splits a token over several programs, each reduces only i
 bound for the kernels the launch table chooses from (one program per token, tiles of rows, the cluster and
 streaming kernels), timed with the same method in the same run; its output is not the op's.
 
-Geometry: all of a token's rows in one [rows, columns] tile per program (every load in flight at once); 8
-programs per token up to 16 tokens (the cluster kernel's split, where a token's rows through one SM are the
-bound), else as few as keep the tile within 64 FP32 values per thread at 16 warps.
+Two geometries of the same kernel, each a floor in its own column. ``tile`` (the column ``floor``): all of a
+token's rows in one [rows, columns] tile per program (every load in flight at once); 8 programs per token up to
+16 tokens (the cluster kernel's split, where a token's rows through one SM are the bound), else as few as keep the
+tile within 64 FP32 values per thread at 16 warps. Its padded 16-row tile at K = 8 makes it slower than the op
+from 32 tokens on, where it bounds nothing. ``stream`` (the column ``floor_stream``): each token's columns over
+many small 4-warp programs (at most 32 FP32 values per thread; 28 programs per token at K = 8, H = 7168), so
+many tiles are in flight on every SM and the bytes, not a program's chain, set the time: the floor under the
+bandwidth-bound shapes, where graph replay may still serve rows from L2 faster than the copy bandwidth.
 """
 from __future__ import annotations
 
@@ -21,12 +26,14 @@ import triton.language as tl
 
 from ..kernels.attn_res_fwd import gdc_launch_dependents_if, gdc_wait_if
 
-__all__ = ["mix_floor", "fused_floor"]
+__all__ = ["mix_floor", "fused_floor", "mix_floor_stream", "fused_floor_stream", "GEOMETRIES"]
 
-#: Tokens up to which the floor splits a token over SPLIT programs.
+GEOMETRIES = ("tile", "stream")
+#: Tokens up to which the tile geometry splits a token over SPLIT programs.
 SPLIT_MAX_T = 16
 SPLIT = 8
 _MAX_TILE = 16 * 32 * 64  # 16 warps x 64 values
+_STREAM_TILE = 4 * 32 * 32  # 4 warps x 32 values
 
 
 @triton.jit
@@ -59,8 +66,14 @@ def _floor_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix_ptr, s
     tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _geometry(T: int, K: int, H: int) -> tuple[int, int, int, int]:
+def _geometry(T: int, K: int, H: int, geometry: str = "tile") -> tuple[int, int, int, int]:
+    """(rows per tile, programs per token, columns per program, warps)."""
     rows = triton.next_power_of_2(K + 1)
+    if geometry == "stream":
+        block = max(16, min(triton.next_power_of_2(H), _STREAM_TILE // rows))
+        return rows, triton.cdiv(H, block), block, 4
+    if geometry != "tile":
+        raise ValueError(f"geometry must be one of {GEOMETRIES}, got {geometry!r}")
     programs = SPLIT if T <= SPLIT_MAX_T else 1
     while rows * triton.next_power_of_2(triton.cdiv(H, programs)) > _MAX_TILE:
         programs *= 2
@@ -70,11 +83,11 @@ def _geometry(T: int, K: int, H: int) -> tuple[int, int, int, int]:
 
 
 def _launch(prefix: torch.Tensor, addend: torch.Tensor | None, blocks: torch.Tensor, K: int, eps: float,
-            write_idx: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+            write_idx: int, norm: bool, geometry: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     from ..backends.cuda import pdl_enabled
 
     T, H = prefix.shape
-    rows, programs, block, warps = _geometry(T, K, H)
+    rows, programs, block, warps = _geometry(T, K, H, geometry)
     out = torch.empty((T, H), dtype=prefix.dtype, device=prefix.device)
     new_prefix = torch.empty_like(out) if addend is not None else None
     extra = {"launch_pdl": True} if pdl_enabled(prefix.device) else {}
@@ -86,13 +99,23 @@ def _launch(prefix: torch.Tensor, addend: torch.Tensor | None, blocks: torch.Ten
     return out, new_prefix
 
 
-def mix_floor(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps):
+def mix_floor(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, *, geometry="tile"):
     """The floor under ``attn_res`` at this call's shape (same arguments; the output is not the op's)."""
-    return _launch(prefix_sum, None, block_residual, int(num_valid_blocks), float(eps), -1, False)[0]
+    return _launch(prefix_sum, None, block_residual, int(num_valid_blocks), float(eps), -1, False, geometry)[0]
 
 
 def fused_floor(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
-                block_write_idx=-1, out_norm_weight=None, out_norm_eps=None):
+                block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, geometry="tile"):
     """The floor under ``fused_attn_res`` at this call's shape (same arguments; the outputs are not the op's)."""
     return _launch(prefix_sum, addend, block_residual, int(num_valid_blocks), float(eps), int(block_write_idx),
-                   out_norm_weight is not None)
+                   out_norm_weight is not None, geometry)
+
+
+def mix_floor_stream(*args):
+    """``mix_floor`` with the stream geometry."""
+    return mix_floor(*args, geometry="stream")
+
+
+def fused_floor_stream(*args):
+    """``fused_floor`` with the stream geometry."""
+    return fused_floor(*args, geometry="stream")

@@ -3,8 +3,8 @@
 Every call has an addend, writes the snapshot into slot K when K < capacity (what a block boundary does) and
 applies the output RMSNorm. The reference row ``unfused`` runs the same call as torch's add, the snapshot copy,
 ``attn_res`` and torch's RMSNorm (``common.unfused``). "of BW" counts the bytes the call must move: prefix,
-addend and K candidate rows read; new_prefix, the output and the snapshot written, per token. On a GPU the row
-``floor`` is the measured floor under the call (``k3_ops.bench.floor``).
+addend and K candidate rows read; new_prefix, the output and the snapshot written, per token. On a GPU the rows
+``floor`` and ``floor_stream`` are the measured floor under the call in its two geometries (``k3_ops.bench.floor``).
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
     if opts.refs and first_mix is not None:
         impls["unfused"] = unfused(first_mix)
     if opts.refs and device.type == "cuda":
-        from .floor import fused_floor
+        from .floor import fused_floor, fused_floor_stream
 
-        impls["floor"] = fused_floor
+        impls["floor"], impls["floor_stream"] = fused_floor, fused_floor_stream
     H, cap = opts.pick(DEFAULTS, "hidden"), opts.pick(DEFAULTS, "capacity")
     tokens, ks = opts.pick(DEFAULTS, "tokens"), opts.pick(DEFAULTS, "blocks")
     layouts = opts.pick(DEFAULTS, "layouts")
@@ -73,4 +73,4 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
             "params": {"dtype": opts.dtype, "weight_dtype": opts.weight_dtype or opts.dtype, "hidden": H,
                        "capacity": cap, "timing": timing, "nan_in_unused_slots": True},
             "columns": columns, "rows": rows, "notes": notes,
-            "plot": {"series": [n for n in names if n not in ("unfused", "floor")] or names}}
+            "plot": {"series": [n for n in names if n not in ("unfused", "floor", "floor_stream")] or names}}

@@ -11,6 +11,9 @@ fused op and for the unfused sequence (torch's add, the snapshot copy, ``attn_re
 "floor" = calls per step x the same run's graph-node time: what the step would cost if every call were free;
 "bandwidth floor" = the bytes the step must move (every call's rows read and written once) at the same run's copy
 bandwidth: what it would cost if every byte came from DRAM at that rate (less can: L2 may keep rows between calls).
+On a GPU the rows ``floor_kernel`` and ``floor_stream`` run the same step, one graph, with every call replaced by
+the measured floor under it (``k3_ops.bench.floor``, its tile and stream geometries): the chain's loads, stores
+and reductions with nothing of the op's arithmetic, the step's measured floor.
 """
 from __future__ import annotations
 
@@ -86,6 +89,11 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
     first_mix = next((o.attn_res for o in ops.values() if o.attn_res is not None), None)
     if opts.refs and first_mix is not None:
         steps["unfused"] = (unfused(first_mix), first_mix)
+    if opts.refs and device.type == "cuda":
+        from .floor import fused_floor, fused_floor_stream, mix_floor, mix_floor_stream
+
+        steps["floor_kernel"] = (fused_floor, mix_floor)
+        steps["floor_stream"] = (fused_floor_stream, mix_floor_stream)
     H, cap = opts.pick(DEFAULTS, "hidden"), opts.pick(DEFAULTS, "capacity")
     tokens, layouts = opts.pick(DEFAULTS, "tokens"), opts.pick(DEFAULTS, "layouts")
     layers = int(opts.extra.get("layers", LAYERS))

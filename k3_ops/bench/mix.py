@@ -4,7 +4,7 @@ Each (layout, T, K) call on a preallocated buffer (NaN in slots >= K), timed per
 (CUDA-graph replay on a GPU); "of BW" = bytes the call must move ((K + 1) rows read, one written, per token) /
 time / the same run's copy bandwidth. Reference columns (token-major only): the eager FP32 formula
 (``k3_ops.reference.attn_res_reference``) and, on a GPU, ``torch.compile`` of it and the measured floor under the
-call (``k3_ops.bench.floor``).
+call in its two geometries (``floor``, ``floor_stream``: ``k3_ops.bench.floor``).
 """
 from __future__ import annotations
 
@@ -46,9 +46,10 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
     if refs is None:
         refs = reference_impls(device) if opts.refs else {}
         if opts.refs and device.type == "cuda":
-            from .floor import mix_floor
+            from .floor import mix_floor, mix_floor_stream
 
-            refs["floor"] = mix_floor  # the floor under the call (bench.floor): not a formula of the op
+            # The floors under the call, two geometries (bench.floor): not formulas of the op.
+            refs["floor"], refs["floor_stream"] = mix_floor, mix_floor_stream
     H, cap = opts.pick(DEFAULTS, "hidden"), opts.pick(DEFAULTS, "capacity")
     tokens, ks = opts.pick(DEFAULTS, "tokens"), opts.pick(DEFAULTS, "blocks")
     layouts = opts.pick(DEFAULTS, "layouts")
