@@ -39,9 +39,13 @@ _STREAM_TILE = 4 * 32 * 32  # 4 warps x 32 values
 @triton.jit
 def _floor_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix_ptr, stride_pt, stride_at, stride_bt,
                   stride_bc, H, write_idx, eps, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                  HAS_ADDEND: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+                  HAS_ADDEND: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr, PROGRAMS: tl.constexpr):
+    # One grid axis, a token's programs adjacent: the CTAs in flight together read neighbouring columns of the same
+    # rows. With the tokens on the fastest axis instead, the stream geometry's 28 programs per token at K = 8
+    # each read 512-byte pieces 129 KB apart and took 0.16 of the copy bandwidth at T = 16384.
+    pid = tl.program_id(0)
+    t = (pid // PROGRAMS).to(tl.int64)
+    cols = (pid % PROGRAMS) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     rows = tl.arange(0, ROWS)
     gdc_wait_if(USE_PDL)
@@ -91,11 +95,11 @@ def _launch(prefix: torch.Tensor, addend: torch.Tensor | None, blocks: torch.Ten
     out = torch.empty((T, H), dtype=prefix.dtype, device=prefix.device)
     new_prefix = torch.empty_like(out) if addend is not None else None
     extra = {"launch_pdl": True} if pdl_enabled(prefix.device) else {}
-    _floor_kernel[(T, programs)](
+    _floor_kernel[(T * programs,)](
         prefix, addend if addend is not None else prefix, blocks, out, new_prefix if new_prefix is not None else out,
         prefix.stride(0), (addend if addend is not None else prefix).stride(0), blocks.stride(0), blocks.stride(1),
         H, write_idx, eps, K=K, ROWS=rows, BLOCK=block, HAS_ADDEND=addend is not None, NORM=norm,
-        USE_PDL=bool(extra), num_warps=warps, num_stages=1, **extra)
+        USE_PDL=bool(extra), PROGRAMS=programs, num_warps=warps, num_stages=1, **extra)
     return out, new_prefix
 
 
