@@ -33,16 +33,15 @@ GEOMETRIES = ("tile", "stream")
 SPLIT_MAX_T = 16
 SPLIT = 8
 _MAX_TILE = 16 * 32 * 64  # 16 warps x 64 values
-_STREAM_TILE = 4 * 32 * 32  # 4 warps x 32 values
+#: Columns and warps per program of the stream geometry (8 values of each of up to 8 block rows per thread).
+STREAM_BLOCK, STREAM_WARPS = 1024, 4
 
 
 @triton.jit
 def _floor_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix_ptr, stride_pt, stride_at, stride_bt,
                   stride_bc, H, write_idx, eps, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                   HAS_ADDEND: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr, PROGRAMS: tl.constexpr):
-    # One grid axis, a token's programs adjacent: the CTAs in flight together read neighbouring columns of the same
-    # rows. With the tokens on the fastest axis instead, the stream geometry's 28 programs per token at K = 8
-    # each read 512-byte pieces 129 KB apart and took 0.16 of the copy bandwidth at T = 16384.
+    # One grid axis, a token's programs adjacent (the CTAs in flight together read neighbouring columns).
     pid = tl.program_id(0)
     t = (pid // PROGRAMS).to(tl.int64)
     cols = (pid % PROGRAMS) * BLOCK + tl.arange(0, BLOCK)
@@ -70,12 +69,47 @@ def _floor_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix_ptr, s
     tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _floor_stream_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix_ptr, stride_pt, stride_at, stride_bt,
+                         stride_bc, H, write_idx, eps, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                         HAS_ADDEND: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
+                         PROGRAMS: tl.constexpr):
+    # The same work as _floor_kernel in another form: the K block rows in a [ROWS, BLOCK] tile (ROWS =
+    # next_pow2(K), not next_pow2(K + 1): 8 rows at K = 8, not 16) and the prefix (and addend) apart as [1, BLOCK]
+    # tiles, whose columns are laid out as the block tile's; every warp spans whole row pieces (BLOCK >= 256 x
+    # warps). Timed beside other forms (docs/benchmarks.md, "Physical limits"): tiles padded to 16 rows, or narrower
+    # than the warps, moved 0.11-0.65 of the copy bandwidth at T = 16384.
+    pid = tl.program_id(0)
+    t = (pid // PROGRAMS).to(tl.int64)
+    cols = ((pid % PROGRAMS) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    rows = tl.arange(0, ROWS)[:, None]
+    inside = cols < H
+    gdc_wait_if(USE_PDL)
+    gdc_launch_dependents_if(USE_PDL)
+    x = tl.load(blocks_ptr + t * stride_bt + rows * stride_bc + cols, mask=(rows < K) & inside, other=0.0)
+    v = tl.load(prefix_ptr + t * stride_pt + cols, mask=inside, other=0.0)
+    if HAS_ADDEND:
+        a = tl.load(addend_ptr + t * stride_at + cols, mask=inside, other=0.0)
+        v = (v.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(new_prefix_ptr + t * H + cols, v, mask=inside)
+        if write_idx >= 0:
+            tl.store(blocks_ptr + t * stride_bt + write_idx * stride_bc + cols, v, mask=inside)
+    x = x.to(tl.float32)
+    v = v.to(tl.float32)
+    # one reduction per row
+    y = tl.sum(x * tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)[:, None], axis=0)[None, :]
+    y += v * tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)[:, None]
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(y * y, axis=1) / H + eps)[:, None]  # the output norm's reduction, after the mix
+    tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
 def _geometry(T: int, K: int, H: int, geometry: str = "tile") -> tuple[int, int, int, int]:
     """(rows per tile, programs per token, columns per program, warps)."""
     rows = triton.next_power_of_2(K + 1)
-    if geometry == "stream":
-        block = max(16, min(triton.next_power_of_2(H), _STREAM_TILE // rows))
-        return rows, triton.cdiv(H, block), block, 4
+    if geometry == "stream":  # the prefix apart: next_pow2(K) block rows; 1024 columns, 4 warps
+        block = min(STREAM_BLOCK, triton.next_power_of_2(H))
+        return triton.next_power_of_2(max(K, 1)), triton.cdiv(H, block), block, STREAM_WARPS
     if geometry != "tile":
         raise ValueError(f"geometry must be one of {GEOMETRIES}, got {geometry!r}")
     programs = SPLIT if T <= SPLIT_MAX_T else 1
@@ -95,7 +129,8 @@ def _launch(prefix: torch.Tensor, addend: torch.Tensor | None, blocks: torch.Ten
     out = torch.empty((T, H), dtype=prefix.dtype, device=prefix.device)
     new_prefix = torch.empty_like(out) if addend is not None else None
     extra = {"launch_pdl": True} if pdl_enabled(prefix.device) else {}
-    _floor_kernel[(T * programs,)](
+    kernel = _floor_stream_kernel if geometry == "stream" else _floor_kernel
+    kernel[(T * programs,)](
         prefix, addend if addend is not None else prefix, blocks, out, new_prefix if new_prefix is not None else out,
         prefix.stride(0), (addend if addend is not None else prefix).stride(0), blocks.stride(0), blocks.stride(1),
         H, write_idx, eps, K=K, ROWS=rows, BLOCK=block, HAS_ADDEND=addend is not None, NORM=norm,
