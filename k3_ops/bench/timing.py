@@ -18,6 +18,7 @@ The last two are measured once per ``Timer`` (once per run of the CLI) and repor
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -45,9 +46,10 @@ class Timer:
     """
 
     def __init__(self, device: torch.device | str, rep_ms: float = 20.0, *, quick: bool = False,
-                 max_calls: int = 1000):
+                 max_calls: int = 1000, warm_ms: float = 0.0):
         self.device = torch.device(device)
         self.rep_ms = rep_ms
+        self.warm_ms = warm_ms
         self.quick = quick
         self.max_calls = max_calls
         self.replays = 3 if quick else 10
@@ -86,10 +88,11 @@ class Timer:
                 fn()
         return graph
 
-    def _replay_ms(self, graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    def _replay_ms(self, graph: torch.cuda.CUDAGraph, replays: int, warm: int = 0) -> float:
         start = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
         end = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-        graph.replay()  # first replay uploads the graph
+        for _ in range(1 + warm):  # the first replay uploads the graph; ``warm`` more run untimed
+            graph.replay()
         for s, e in zip(start, end):
             s.record()
             graph.replay()
@@ -107,7 +110,8 @@ class Timer:
         del one
         calls = max(1, min(self.max_calls, int(self.rep_ms / estimate_ms)))
         graph = self._capture(fn, calls)
-        ms = self._replay_ms(graph, self.replays)
+        warm = math.ceil(self.warm_ms / (estimate_ms * calls)) if self.warm_ms > 0 else 0
+        ms = self._replay_ms(graph, self.replays, warm)
         del graph
         return 1e3 * ms / calls
 
