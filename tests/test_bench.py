@@ -52,6 +52,25 @@ def test_wall_counts_every_call(timer):
     assert len(calls) == 1 + 3 * 4  # one warm-up call, then three batches (quick) of four
 
 
+@pytest.mark.parametrize("estimate_us, sleeps", [(5.0, 1), (400.0, 0)], ids=["light-settles", "heavy-does-not"])
+def test_timer_settles_before_a_light_call_that_follows_heavy_work(monkeypatch, estimate_us, sleeps):
+    from k3_ops.bench import timing
+
+    slept = []
+    monkeypatch.setattr(timing.time, "sleep", slept.append)
+    t = Timer("cpu", settle_s=0.25)
+    t._settle(estimate_us)
+    assert slept == []  # nothing heavy yet
+    t.after_heavy_work()
+    t._settle(estimate_us)
+    t._settle(estimate_us)  # once settled, a second light call does not wait again
+    assert slept == [0.25] * sleeps
+    off = Timer("cpu", settle_s=0.0)
+    off.after_heavy_work()
+    off._settle(5.0)
+    assert len(slept) == sleeps
+
+
 def test_commit_env_override(monkeypatch):
     monkeypatch.setenv("K3_OPS_COMMIT", "abc1234")
     assert common.commit() == "abc1234"

@@ -4,8 +4,9 @@ The main job times each (layout, T, K) cell once; at a few small-T cells its fig
 the same call timed again later in the same process (docs/benchmarks.md, "Plain mix": T = 128, K = 8). This probe
 times a few decode-size plain calls five times in a row after each of three preludes: nothing (the previous
 measurement), one second with the GPU idle (as when the host builds a shape's buffers or compiles a variant), and
-the heaviest call of the grid (T = 16384, K = 8); each with ``Timer.graph`` as the benchmark runs it and with
-``warm_ms`` of untimed replays before the timed ones. Usage, on the GPU machine:
+the heaviest call of the grid (T = 16384, K = 8); each with ``Timer.graph`` without and with its settle rule (one
+second of idle before a light call that follows a heavy one: ``Timer._settle``). The run of 40d8f8b compared
+untimed replays before the timed ones instead (``warm100``), which did not remove the effect. Usage, on the GPU machine:
 python tools/timing_probe.py [--out DIR]; prints one line per (method, prelude, shape), writes timing_probe.json.
 """
 from __future__ import annotations
@@ -52,8 +53,8 @@ def main() -> None:
     sm_clock_mhz = sm_clock_reader()
     rows = []
     with torch.inference_mode():
-        for method, warm_ms in (("bench", 0.0), ("warm100", 100.0)):
-            timer = Timer(device, rep_ms=20.0, warm_ms=warm_ms)
+        for method, settle_s in (("no_settle", 0.0), ("settle", Timer(device).settle_s)):
+            timer = Timer(device, rep_ms=20.0, settle_s=settle_s)
             for prelude in ("none", "idle_1s", "heavy"):
                 for layout, T, K in SHAPES:
                     call = partial(ops.attn_res, *problems[layout].attn_res_args(T, K))
@@ -65,11 +66,13 @@ def main() -> None:
                         timer.graph(heavy)
                     clock = sm_clock_mhz()
                     times = [timer.graph(call) for _ in range(REPEATS)]
-                    row = {"method": method, "warm_ms": warm_ms, "prelude": prelude, "layout": layout, "T": T,
+                    row = {"method": method, "settle_s": settle_s, "prelude": prelude, "layout": layout, "T": T,
                            "K": K, "us": times, "sm_clock_before_mhz": clock, "sm_clock_after_mhz": sm_clock_mhz()}
                     rows.append(row)
-                    print(f"{method:8s} {prelude:8s} {layout}-major T={T:4d} K={K}: "
-                          + " ".join(f"{t:.2f}" for t in times) + f"  (SM clock before / after: {clock} / {row['sm_clock_after_mhz']} MHz)", flush=True)
+                    clocks = f"{clock} / {row['sm_clock_after_mhz']}"
+                    print(f"{method:9s} {prelude:8s} {layout}-major T={T:4d} K={K}: "
+                          + " ".join(f"{t:.2f}" for t in times) + f"  (SM clock before / after: {clocks} MHz)",
+                          flush=True)
     env = common.environment(device)
     with open(os.path.join(out_dir, "timing_probe.json"), "w") as f:
         json.dump({"environment": env, "rows": rows}, f, indent=1)

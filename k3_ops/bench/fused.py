@@ -44,6 +44,7 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
             problem = Problem(max(tokens), cap, H, dtype, device, layout, opts.w_dtype)
             for K in ks:
                 problem.poison(K)
+                timer.after_heavy_work()
                 write = K if K < cap else -1
                 for T in tokens:
                     where = f"{layout}-major T={T} K={K}"

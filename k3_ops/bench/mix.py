@@ -62,6 +62,7 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
             problem = Problem(max(tokens), cap, H, dtype, device, layout, opts.w_dtype)
             for K in ks:
                 problem.poison(K)
+                timer.after_heavy_work()
                 for T in tokens:
                     bar.step(f"{layout}-major T={T} K={K}")
                     row = {"layout": layout, "T": T, "K": K, "bytes": bytes_moved(T, H, dtype.itemsize, K + 1, 1)}

@@ -18,7 +18,6 @@ The last two are measured once per ``Timer`` (once per run of the CLI) and repor
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -46,10 +45,12 @@ class Timer:
     """
 
     def __init__(self, device: torch.device | str, rep_ms: float = 20.0, *, quick: bool = False,
-                 max_calls: int = 1000, warm_ms: float = 0.0):
+                 max_calls: int = 1000, settle_s: float = 1.0, heavy_us: float = 40.0):
         self.device = torch.device(device)
         self.rep_ms = rep_ms
-        self.warm_ms = warm_ms
+        self.settle_s = settle_s
+        self.heavy_us = heavy_us
+        self._after_heavy = False
         self.quick = quick
         self.max_calls = max_calls
         self.replays = 3 if quick else 10
@@ -88,11 +89,10 @@ class Timer:
                 fn()
         return graph
 
-    def _replay_ms(self, graph: torch.cuda.CUDAGraph, replays: int, warm: int = 0) -> float:
+    def _replay_ms(self, graph: torch.cuda.CUDAGraph, replays: int) -> float:
         start = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
         end = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-        for _ in range(1 + warm):  # the first replay uploads the graph; ``warm`` more run untimed
-            graph.replay()
+        graph.replay()  # first replay uploads the graph
         for s, e in zip(start, end):
             s.record()
             graph.replay()
@@ -109,11 +109,29 @@ class Timer:
         estimate_ms = max(self._replay_ms(one, 3), 1e-4)
         del one
         calls = max(1, min(self.max_calls, int(self.rep_ms / estimate_ms)))
+        self._settle(1e3 * estimate_ms)
         graph = self._capture(fn, calls)
-        warm = math.ceil(self.warm_ms / (estimate_ms * calls)) if self.warm_ms > 0 else 0
-        ms = self._replay_ms(graph, self.replays, warm)
+        ms = self._replay_ms(graph, self.replays)
         del graph
-        return 1e3 * ms / calls
+        us = 1e3 * ms / calls
+        self._after_heavy = us >= self.heavy_us
+        return us
+
+    def after_heavy_work(self) -> None:
+        """Note that heavy device work ran outside the timer (filling a problem's buffers with data or NaN), so
+        that the next light measurement settles first (``_settle``)."""
+        self._after_heavy = True
+
+    def _settle(self, estimate_us: float) -> None:
+        """Leave the device idle for ``settle_s`` before timing a light call (under ``heavy_us`` per call) that
+        follows a heavy one. On the H200 a decode-size call timed right after the grid's heaviest one (T = 16384,
+        K = 8) took up to 12 % longer, in every one of five measurements in a row, than after one second of idle,
+        at the same SM clock; untimed replays first did not remove it (tools/timing_probe.py,
+        docs/benchmarks.md, "Method"). So a cell's figure would depend on the cell timed before it."""
+        if self._after_heavy and estimate_us < self.heavy_us and self.settle_s > 0:
+            self._after_heavy = False
+            synchronize(self.device)
+            time.sleep(self.settle_s)
 
     def launch(self, fn: Callable[[], object], *, flush_l2: bool = True) -> float:
         """Device time of one plain launch (with a cold L2 unless ``flush_l2`` is False), median; wall time per
@@ -172,6 +190,7 @@ class Timer:
             us = self.launch(lambda: dst.copy_(src), flush_l2=False)  # the buffers are far larger than L2
         else:
             us = self.wall(lambda: dst.copy_(src))
+        self.after_heavy_work()
         return 2 * nbytes / (us * 1e-6)
 
     def graph_node_us(self) -> float | None:
