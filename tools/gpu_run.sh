@@ -19,7 +19,9 @@ for stage in "${stages[@]}"; do
   echo "=== $stage ($(date +%T))"
   case "$stage" in
     build)
-      # Test-only wheels the GPU image lacks (expecttest), carried in .whl/ since that machine has no network.
+      # Test-only wheels the GPU image lacks (expecttest), carried in .whl/ since that machine has no network
+      # (.whl/ is ignored by git: in a fresh checkout make it with `pip download --no-deps -d .whl expecttest`;
+      # without it the test files that import expecttest fail at collection there).
       if ls .whl/*.whl >/dev/null 2>&1; then
         $PY -m pip install -q --no-index --no-deps --target /tmp/k3_site .whl/*.whl && export PYTHONPATH=/tmp/k3_site${PYTHONPATH:+:$PYTHONPATH}
       fi
