@@ -20,6 +20,13 @@ the table, ``floor`` and ``floor_stream`` in one run of the mix section (graph r
   kernel, one split cluster barrier, the inbox double-buffered by token parity.
 - ``regs_cs<CS>``: the same clusters without the ring: each thread loads its vectors of the next token into
   registers before the exchange of the current one (one token ahead).
+- ``mbar_ring_cs<CS>_s2``, ``mbar_regs_cs<CS>``: those forms with the exchange through transaction barriers: each
+  partial a remote ``st.async`` that completes its bytes on the receiving CTA's mbarrier (one per inbox buffer,
+  expecting CS x 2 (MB + 1) x 4 bytes a phase), the receiver waiting on its own barrier. The split cluster barrier
+  they replace is a release: a fence over every earlier load and store of the thread (on sm_90 a ``MEMBAR`` at GPU
+  scope, docs/benchmarks.md, "Where the fused call's time over the plain op goes"), so each token's exchange also
+  waits for the previous token's output stores and, in the register form, for the next token's prefetch. The run of
+  7df92d4 (docs/data/cluster_ring_probe_*_7df92d4.*) predates these forms.
 
 Every form sums what the cluster kernel sums, in its order (the transposing warp sum of csrc_cuda/warp_reduce.h,
 the warps in warp order, the ranks in rank order), and scores and mixes as it does; the accuracy rows record whether
@@ -40,10 +47,13 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-#: name: (CTAs per cluster, ring slots, variant (0 ring, 1 registers), clusters per resident cluster)
-VARIANTS = {"ring_cs8_s2": (8, 2, 0, 1), "ring_cs8_s3": (8, 3, 0, 1), "ring_cs8_s4": (8, 4, 0, 1),
-            "ring_cs4_s2": (4, 2, 0, 1), "ring_cs4_s3": (4, 3, 0, 1), "ring_cs8_s3_x2": (8, 3, 0, 2),
-            "regs_cs8": (8, 2, 1, 1), "regs_cs4": (4, 2, 1, 1)}
+#: name: (CTAs per cluster, ring slots, variant (0 ring, 1 registers), clusters per resident cluster, exchange (0
+#: one split cluster barrier per token, 1 transaction barriers: the ``mbar_`` forms))
+VARIANTS = {"ring_cs8_s2": (8, 2, 0, 1, 0), "ring_cs8_s3": (8, 3, 0, 1, 0), "ring_cs8_s4": (8, 4, 0, 1, 0),
+            "ring_cs4_s2": (4, 2, 0, 1, 0), "ring_cs4_s3": (4, 3, 0, 1, 0), "ring_cs8_s3_x2": (8, 3, 0, 2, 0),
+            "regs_cs8": (8, 2, 1, 1, 0), "regs_cs4": (4, 2, 1, 1, 0),
+            "mbar_ring_cs8_s2": (8, 2, 0, 1, 1), "mbar_ring_cs4_s2": (4, 2, 0, 1, 1),
+            "mbar_regs_cs8": (8, 2, 1, 1, 1), "mbar_regs_cs4": (4, 2, 1, 1, 1)}
 TOKENS = [64, 128, 256, 512, 1024, 4096]
 BLOCKS = [4, 8]
 H, CAPACITY, EPS = 7168, 9, 1e-6
@@ -89,11 +99,55 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// The transaction-barrier exchange (XCH 1): each value is a remote st.async that completes bytes on the receiving
+// CTA's mbarrier, so the receiver waits on its own barrier for exactly the bytes it expects, and no fence orders the
+// sender's other memory operations (a barrier.cluster.arrive.release does: it is a MEMBAR over every earlier load
+// and store, the previous token's output stores and the next token's prefetch included).
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint32_t map_rank(uint32_t addr, int rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
+  return out;
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void st_async_f32(uint32_t remote_addr, float value, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];" ::"r"(remote_addr),
+               "r"(__float_as_uint(value)), "r"(remote_bar)
+               : "memory");
+}
+// Spins until the barrier's phase of this parity completed; traps after about 2^26 polls, so a lost transaction
+// fails the probe's process instead of hanging the device.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = smem_u32(bar);
+  for (uint32_t polls = 0;; ++polls) {
+    uint32_t done;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (polls > (1u << 26)) __trap();
+  }
+}
+
 constexpr int threads_for(int CS) { return CS == 8 ? 128 : 256; }
 
 // CS CTAs per cluster, S token slots in the ring (VAR 0) or registers one token ahead (VAR 1), MB block rows held
-// (the prefix is candidate K, kept in slot MB).
-template <int CS, int S, int MB, int VAR>
+// (the prefix is candidate K, kept in slot MB); XCH 0: the exchange through one split cluster barrier per token,
+// XCH 1: through transaction barriers (st.async into the inbox, the receiver's mbarrier counting the bytes).
+template <int CS, int S, int MB, int VAR, int XCH>
 __global__ void __launch_bounds__(threads_for(CS)) ring_kernel(Args a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
@@ -120,11 +174,25 @@ __global__ void __launch_bounds__(threads_for(CS)) ring_kernel(Args a) {
   // One buffer each for warp_part and shared_score: a CTA barrier separates every write from the reads of the
   // token before (warp_part: the score barrier of token n; shared_score: the warp_part barrier of token n + 1).
   __shared__ float shared_score[kCand];
+  // XCH 1: the barrier of inbox[p], one local arrival (with the expected bytes) per phase. Token n uses barrier
+  // n & 1 in its phase n >> 1; the same double-buffering argument as the inbox's keeps a token's bytes out of the
+  // other token's phase (rank r sends token n + 2 only after its wait for token n + 1, which needs this CTA's
+  // token n + 1 bytes, sent after this CTA's wait for token n returned).
+  __shared__ __align__(8) uint64_t xbar[2];
   auto cell = [&](int slot, int i) -> uint4& { return ring[(slot * kCand + i) * blockDim.x + v]; };
   auto token = [&](int64_t n) { return c + n * clusters; };
   auto valid = [&](int i) { return i < K || i == MB; };
 
-  cluster_arrive_relaxed();  // "this CTA runs": waited for before the first remote store
+  if constexpr (XCH == 1) {
+    if (threadIdx.x == 0) {
+      mbar_init(&xbar[0], 1);
+      mbar_init(&xbar[1], 1);
+      mbar_init_fence();  // the inits visible to the cluster before the arrive below
+    }
+    __syncthreads();
+  }
+  cluster_arrive_relaxed();  // "this CTA runs" (XCH 1: and its barriers are initialised): waited for before the
+                             // first remote store
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
 
@@ -213,12 +281,23 @@ __global__ void __launch_bounds__(threads_for(CS)) ring_kernel(Args a) {
       for (int q = 0; q < warps; ++q) mine += warp_part[q][threadIdx.x];
     }
     if (n == 0) cluster_wait_acquire();  // every CTA of the cluster runs: its shared memory may be written
-    if (threadIdx.x < kParts) {
+    if constexpr (XCH == 0) {
+      if (threadIdx.x < kParts) {
 #pragma unroll
-      for (int r = 0; r < CS; ++r) cluster.map_shared_rank(&inbox[p][rank][0], r)[threadIdx.x] = mine;
+        for (int r = 0; r < CS; ++r) cluster.map_shared_rank(&inbox[p][rank][0], r)[threadIdx.x] = mine;
+      }
+      cluster_arrive_release();
+      cluster_wait_acquire();  // every rank's partials of token n are in inbox[p]
+    } else {
+      if (threadIdx.x == 0) mbar_expect_tx(&xbar[p], CS * kParts * 4);
+      if (threadIdx.x < kParts) {
+        const uint32_t mine_addr = smem_u32(&inbox[p][rank][threadIdx.x]), bar = smem_u32(&xbar[p]);
+#pragma unroll
+        for (int r = 0; r < CS; ++r) st_async_f32(map_rank(mine_addr, r), mine, map_rank(bar, r));
+      }
+      // Only the threads that read the inbox wait; the CTA barrier after the scores holds the others.
+      if (threadIdx.x < kCand) mbar_wait(&xbar[p], static_cast<uint32_t>((n >> 1) & 1));
     }
-    cluster_arrive_release();
-    cluster_wait_acquire();  // every rank's partials of token n are in inbox[p]
     if (threadIdx.x < kCand) {
       const int i = static_cast<int>(threadIdx.x);
       float s = 0.f, d = 0.f;
@@ -262,7 +341,8 @@ __global__ void __launch_bounds__(threads_for(CS)) ring_kernel(Args a) {
     }
   }
   if constexpr (VAR == 0) cp_async_wait<0>();  // the empty tail groups: nothing in flight at exit
-  // No cluster barrier at exit: every remote store into this CTA's inbox was released before an arrive it waited for.
+  // No cluster barrier at exit: every remote store into this CTA's inbox was released before an arrive it waited for
+  // (XCH 1: was counted by a barrier phase it waited for).
 #endif
 }
 
@@ -273,13 +353,13 @@ struct Plan {
 
 // Threads, dynamic shared memory and resident clusters of one instantiation, resolved once (first call, before any
 // graph capture) and cached.
-template <int CS, int S, int MB, int VAR>
+template <int CS, int S, int MB, int VAR, int XCH>
 const Plan& plan(int H) {
   static Plan cached;
   static int cached_h = 0;
   if (cached_h == H) return cached;
   Plan p;
-  auto kernel = ring_kernel<CS, S, MB, VAR>;
+  auto kernel = ring_kernel<CS, S, MB, VAR, XCH>;
   p.threads = (H / 8 / CS + 31) / 32 * 32;
   p.smem = VAR == 0 ? S * (MB + 1) * p.threads * 16 : 0;
   if (p.threads > threads_for(CS)) {
@@ -307,9 +387,9 @@ const Plan& plan(int H) {
   return cached;
 }
 
-template <int CS, int S, int MB, int VAR>
+template <int CS, int S, int MB, int VAR, int XCH>
 cudaError_t launch(const Args& a, int factor, cudaStream_t stream) {
-  const Plan& p = plan<CS, S, MB, VAR>(a.H);
+  const Plan& p = plan<CS, S, MB, VAR, XCH>(a.H);
   if (p.err != cudaSuccess) return p.err;
   if (a.T == 0) return cudaSuccess;
   const int64_t resident = static_cast<int64_t>(p.max_clusters) * factor;
@@ -328,16 +408,16 @@ cudaError_t launch(const Args& a, int factor, cudaStream_t stream) {
   attrs[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attrs;
   config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, ring_kernel<CS, S, MB, VAR>, a);
+  return cudaLaunchKernelEx(&config, ring_kernel<CS, S, MB, VAR, XCH>, a);
 }
 
 // Registers, local memory (spills), static and dynamic shared memory, resident clusters.
-template <int CS, int S, int MB, int VAR>
+template <int CS, int S, int MB, int VAR, int XCH>
 cudaError_t describe(int H, int64_t (&info)[5]) {
-  const Plan& p = plan<CS, S, MB, VAR>(H);
+  const Plan& p = plan<CS, S, MB, VAR, XCH>(H);
   if (p.err != cudaSuccess) return p.err;
   cudaFuncAttributes attr;
-  const cudaError_t err = cudaFuncGetAttributes(&attr, ring_kernel<CS, S, MB, VAR>);
+  const cudaError_t err = cudaFuncGetAttributes(&attr, ring_kernel<CS, S, MB, VAR, XCH>);
   if (err != cudaSuccess) return err;
   info[0] = attr.numRegs;
   info[1] = static_cast<int64_t>(attr.localSizeBytes);
@@ -347,30 +427,36 @@ cudaError_t describe(int H, int64_t (&info)[5]) {
   return cudaSuccess;
 }
 
-// The instantiations: (CS, S) of the ring forms, CS of the register form, each with 4 and 8 block rows.
+// The instantiations: (CS, S) of the ring forms, CS of the register form, each with 4 and 8 block rows, with the
+// cluster-barrier exchange (XCH 0) and, for the 2-slot ring and the register form, the transaction-barrier one.
 template <int MB>
-cudaError_t run(const Args& a, int cs, int slots, int var, int factor, cudaStream_t stream, bool info_only,
-                int64_t (&info)[5]) {
-#define RING_CASE(CS_, S_, VAR_)                                                                     \
-  if (cs == CS_ && (VAR_ == 1 || slots == S_) && var == VAR_) {                                      \
-    return info_only ? describe<CS_, S_, MB, VAR_>(a.H, info) : launch<CS_, S_, MB, VAR_>(a, factor, stream); \
+cudaError_t run(const Args& a, int cs, int slots, int var, int xch, int factor, cudaStream_t stream,
+                bool info_only, int64_t (&info)[5]) {
+#define RING_CASE(CS_, S_, VAR_, XCH_)                                                                \
+  if (cs == CS_ && (VAR_ == 1 || slots == S_) && var == VAR_ && xch == XCH_) {                        \
+    return info_only ? describe<CS_, S_, MB, VAR_, XCH_>(a.H, info)                                   \
+                     : launch<CS_, S_, MB, VAR_, XCH_>(a, factor, stream);                            \
   }
-  RING_CASE(8, 2, 0)
-  RING_CASE(8, 3, 0)
-  RING_CASE(8, 4, 0)
-  RING_CASE(4, 2, 0)
-  RING_CASE(4, 3, 0)
-  RING_CASE(8, 2, 1)
-  RING_CASE(4, 2, 1)
+  RING_CASE(8, 2, 0, 0)
+  RING_CASE(8, 3, 0, 0)
+  RING_CASE(8, 4, 0, 0)
+  RING_CASE(4, 2, 0, 0)
+  RING_CASE(4, 3, 0, 0)
+  RING_CASE(8, 2, 1, 0)
+  RING_CASE(4, 2, 1, 0)
+  RING_CASE(8, 2, 0, 1)
+  RING_CASE(4, 2, 0, 1)
+  RING_CASE(8, 2, 1, 1)
+  RING_CASE(4, 2, 1, 1)
 #undef RING_CASE
   return cudaErrorInvalidValue;
 }
 
-cudaError_t dispatch(const Args& a, int cs, int slots, int var, int factor, cudaStream_t stream, bool info_only,
-                     int64_t (&info)[5]) {
+cudaError_t dispatch(const Args& a, int cs, int slots, int var, int xch, int factor, cudaStream_t stream,
+                     bool info_only, int64_t (&info)[5]) {
   if (a.K < 1 || a.K > 8 || a.H % (8 * cs) != 0) return cudaErrorInvalidValue;
-  if (a.K <= 4) return run<4>(a, cs, slots, var, factor, stream, info_only, info);
-  return run<8>(a, cs, slots, var, factor, stream, info_only, info);
+  if (a.K <= 4) return run<4>(a, cs, slots, var, xch, factor, stream, info_only, info);
+  return run<8>(a, cs, slots, var, xch, factor, stream, info_only, info);
 }
 
 }  // namespace ring_probe
@@ -391,31 +477,34 @@ ring_probe::Args args_of(const torch::Tensor& prefix, const torch::Tensor& block
 }  // namespace
 
 void ring_mix(torch::Tensor prefix, torch::Tensor blocks, torch::Tensor nw, torch::Tensor pw, torch::Tensor out,
-              int64_t K, double eps, int64_t cs, int64_t slots, int64_t variant, int64_t factor) {
+              int64_t K, double eps, int64_t cs, int64_t slots, int64_t variant, int64_t exchange, int64_t factor) {
   int64_t info[5];
   const cudaError_t err = ring_probe::dispatch(args_of(prefix, blocks, nw, pw, out, K, eps), static_cast<int>(cs),
                                                static_cast<int>(slots), static_cast<int>(variant),
-                                               static_cast<int>(factor), at::cuda::getCurrentCUDAStream(), false,
-                                               info);
+                                               static_cast<int>(exchange), static_cast<int>(factor),
+                                               at::cuda::getCurrentCUDAStream(), false, info);
   TORCH_CHECK(err == cudaSuccess, "cluster ring probe launch (cs=", cs, ", slots=", slots, ", variant=", variant,
               ", K=", K, "): ", cudaGetErrorString(err));
 }
 
-std::vector<int64_t> ring_info(int64_t K, int64_t H, int64_t cs, int64_t slots, int64_t variant) {
+std::vector<int64_t> ring_info(int64_t K, int64_t H, int64_t cs, int64_t slots, int64_t variant, int64_t exchange) {
   ring_probe::Args a = {};
   a.K = static_cast<int>(K);
   a.H = static_cast<int>(H);
   int64_t info[5] = {0, 0, 0, 0, 0};
   const cudaError_t err = ring_probe::dispatch(a, static_cast<int>(cs), static_cast<int>(slots),
-                                               static_cast<int>(variant), 1, nullptr, true, info);
+                                               static_cast<int>(variant), static_cast<int>(exchange), 1, nullptr,
+                                               true, info);
   TORCH_CHECK(err == cudaSuccess, "cluster ring probe info: ", cudaGetErrorString(err));
   return std::vector<int64_t>(info, info + 5);
 }
 """
 
 _CPP = ("void ring_mix(torch::Tensor prefix, torch::Tensor blocks, torch::Tensor nw, torch::Tensor pw, "
-        "torch::Tensor out, int64_t K, double eps, int64_t cs, int64_t slots, int64_t variant, int64_t factor);\n"
-        "std::vector<int64_t> ring_info(int64_t K, int64_t H, int64_t cs, int64_t slots, int64_t variant);")
+        "torch::Tensor out, int64_t K, double eps, int64_t cs, int64_t slots, int64_t variant, int64_t exchange, "
+        "int64_t factor);\n"
+        "std::vector<int64_t> ring_info(int64_t K, int64_t H, int64_t cs, int64_t slots, int64_t variant, "
+        "int64_t exchange);")
 
 
 def build():
@@ -427,12 +516,12 @@ def build():
                        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90", "-std=c++17"], verbose=False)
 
 
-def ring_op(ext, cs: int, slots: int, variant: int, factor: int):
+def ring_op(ext, cs: int, slots: int, variant: int, factor: int, exchange: int):
     def attn_res(prefix, blocks, nw, pw, K, eps):
         # bf16 rows and weights, unit hidden stride, 16-byte aligned rows, H a multiple of 8 x cs (the bench's).
         out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
         ext.ring_mix(prefix, blocks, nw.to(prefix.dtype), pw.reshape(-1).to(prefix.dtype), out, int(K), float(eps),
-                     cs, slots, variant, factor)
+                     cs, slots, variant, exchange, factor)
         return out
     return attn_res
 
@@ -441,10 +530,10 @@ def kernel_info(ext) -> tuple[dict, list[str]]:
     """Per variant and block-row count (4: K <= 4, 8: K = 5..8): registers, spills, shared memory, clusters; and the
     variants that cannot launch (no resident cluster, a rejected attribute)."""
     info, broken = {}, []
-    for name, (cs, slots, variant, factor) in VARIANTS.items():
+    for name, (cs, slots, variant, factor, exchange) in VARIANTS.items():
         for K in (4, 8):
             try:
-                regs, local, static_smem, dyn_smem, clusters = ext.ring_info(K, H, cs, slots, variant)
+                regs, local, static_smem, dyn_smem, clusters = ext.ring_info(K, H, cs, slots, variant, exchange)
             except RuntimeError as e:
                 print(f"{name} MB={K}: {e}", flush=True)
                 info[f"{name}_mb{K}"] = {"error": str(e)}
@@ -542,7 +631,7 @@ def main() -> None:
     result = mix.run(options(tokens=TOKENS, blocks=BLOCKS), ops=ops)
     device = torch.device("cuda")
     result["table_plans"] = {f"T{T}-K{K}": repr(cuda.choose_config(T, K, H, device)) for T in TOKENS for K in BLOCKS}
-    result["variants"] = {n: dict(zip(("cluster_size", "slots", "variant", "cluster_factor"), s))
+    result["variants"] = {n: dict(zip(("cluster_size", "slots", "variant", "cluster_factor", "exchange"), s))
                           for n, s in VARIANTS.items()}
     result["kernels"] = info
     result["accuracy"] = {"rule": f"max_abs <= {FACTOR} x eager's (+{SLACK} where eager's is 0)", "rows": accuracy,
