@@ -13,7 +13,11 @@
 //
 // The fused calls run here too (addend, new_prefix or in-place prefix, snapshot, output RMSNorm), so that their mix
 // is attn_res's bit for bit on every path. The norm's sum of squares is a second exchange of one partial per CTA,
-// the FP8 scale's max a third, each into an inbox of its own.
+// the FP8 scale's max a third, each into an inbox of its own. With kGram (ClusterFwdArgs::norm_gram) the norm's sum
+// of squares comes from the first exchange instead: each CTA's partial products <v_i, v_j> of every pair of
+// candidates travel with its statistics, and |mix|^2 = sum_ij p_i p_j <v_i, v_j> / l^2, the same value in every
+// thread of every rank (the same sums in the same order), so the branch to the second exchange, taken only where
+// that value is inaccurate (gram_tau, as the Triton kernels' _gram_result), is uniform over the cluster.
 //
 // Why push: reading the ranks' partials after the barrier (pull) costs a remote load's round trip after it, and a
 // second barrier before exit, so that no CTA frees shared memory another still reads. Pushed, the remote traffic
@@ -67,7 +71,41 @@ constexpr int kMinCtasPerSm =
 // candidates than the call has still runs the absent ones' statistics and their warp sums; every sum is the same
 // one in each variant (the transposing butterfly adds the plain butterfly's pairs for any count), so the bits are
 // too.
-template <typename IO, typename NW, typename PW, int CS, int MB, bool kFused>
+// This thread's partial products <x_i, x_j> over its 8 columns for the candidate pairs i < j numbered kBase ..
+// kBase + kN - 1 in the order (0, 1), (0, 2), .., (1, 2), ..; 0 where either candidate is absent. The loops unroll
+// fully, so every index is a compile-time constant (no local memory).
+template <int kMaxCand, int kBase, int kN>
+__device__ __forceinline__ void gram_partials(const float (&x)[kMaxCand][8], bool active, int K, float (&out)[kN]) {
+  int q = 0;
+#pragma unroll
+  for (int i = 0; i < kMaxCand; ++i) {
+#pragma unroll
+    for (int j = i + 1; j < kMaxCand; ++j) {
+      if (q >= kBase && q < kBase + kN) {
+        float s = 0.f;
+        if (active && (i < K || i == kMaxCand - 1) && (j < K || j == kMaxCand - 1)) {
+#pragma unroll
+          for (int c = 0; c < 8; ++c) s = fmaf(x[i][c], x[j][c], s);
+        }
+        out[q - kBase] = s;
+      }
+      ++q;
+    }
+  }
+}
+
+// Pairs kBase .. kBase + kN - 1 summed over the warp (warp_reduce.h), each total into its slot of this warp's row.
+template <int kMaxCand, int kBase, int kN, int kPairs>
+__device__ __forceinline__ void gram_warp_sums(const float (&x)[kMaxCand][8], bool active, int K, int lane,
+                                               float (&row)[kPairs]) {
+  float part[kN];
+  gram_partials<kMaxCand, kBase, kN>(x, active, K, part);
+  const float total = warp_sum_transposed<kN>(part, lane);
+  const int index = butterfly_index<kN>(lane);
+  if (index < kN) row[kBase + index] = total;
+}
+
+template <typename IO, typename NW, typename PW, int CS, int MB, bool kFused, bool kGram = false>
 __global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB, kFused>))
     attn_res_cluster_kernel(ClusterFwdArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -89,6 +127,12 @@ __global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB,
   __shared__ float warp_norm[32];
   __shared__ float norm_inbox[CS];  // rank r's sum of squares of the output-norm input
   __shared__ float amax_inbox[CS];  // rank r's max |output| for the FP8 scale
+  // kGram: the candidate pairs' products (gram_partials' order), per warp, per rank, summed; the statistics' ss.
+  constexpr int kPairs = kGram ? kMaxCand * (kMaxCand - 1) / 2 : 1;
+  __shared__ float warp_gram[kGram ? 32 : 1][kPairs];
+  __shared__ float gram_inbox[kGram ? CS : 1][kPairs];
+  __shared__ float shared_gram[kPairs];
+  __shared__ float shared_ss[kGram ? kMaxCand : 1];
 
   cluster_arrive_relaxed();  // "this CTA runs": waited for before the first remote store
   cudaGridDependencySynchronize();
@@ -167,6 +211,15 @@ __global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB,
   const float warp_total = warp_sum_transposed<2 * kMaxCand>(part, lane);
   const int part_index = butterfly_index<2 * kMaxCand>(lane);
   if (part_index < 2 * kMaxCand) warp_part[warp][part_index] = warp_total;
+  if constexpr (kGram) {
+    // The pairs in at most two warp sums of at most 32 values (36 pairs at MB = 8), after the statistics' (whose
+    // partials are dead by now: fewer registers live beside the candidates).
+    constexpr int kFirst = kPairs > 32 ? kPairs / 2 : kPairs;
+    gram_warp_sums<kMaxCand, 0, kFirst, kPairs>(x, active, K, lane, warp_gram[warp]);
+    if constexpr (kPairs > kFirst) {
+      gram_warp_sums<kMaxCand, kFirst, kPairs - kFirst, kPairs>(x, active, K, lane, warp_gram[warp]);
+    }
+  }
   __syncthreads();
   float mine = 0.f;
   if (threadIdx.x < 2 * kMaxCand) {
@@ -176,6 +229,14 @@ __global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB,
   if (threadIdx.x < 2 * kMaxCand) {
 #pragma unroll
     for (int r = 0; r < CS; ++r) cluster.map_shared_rank(&inbox[rank][0], r)[threadIdx.x] = mine;
+  }
+  if constexpr (kGram) {
+    for (int q = static_cast<int>(threadIdx.x); q < kPairs; q += static_cast<int>(blockDim.x)) {
+      float g2 = 0.f;
+      for (int w2 = 0; w2 < warps; ++w2) g2 += warp_gram[w2][q];
+#pragma unroll
+      for (int r = 0; r < CS; ++r) cluster.map_shared_rank(&gram_inbox[rank][0], r)[q] = g2;
+    }
   }
   cluster_arrive_release();
   cluster_wait_acquire();  // every rank's partials are in this CTA's inbox
@@ -192,6 +253,15 @@ __global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB,
     const float inv_h = 1.0f / static_cast<float>(a.H);
     const bool valid = i < K || i == kMaxCand - 1;
     shared_score[i] = valid ? __fdiv_rn(1.0f, __fsqrt_rn(s * inv_h + static_cast<float>(a.eps))) * dd : -INFINITY;
+    if constexpr (kGram) shared_ss[i] = valid ? s : 0.f;
+  }
+  if constexpr (kGram) {
+    for (int q = static_cast<int>(threadIdx.x); q < kPairs; q += static_cast<int>(blockDim.x)) {
+      float g2 = 0.f;
+#pragma unroll
+      for (int r = 0; r < CS; ++r) g2 += gram_inbox[r][q];
+      shared_gram[q] = g2;
+    }
   }
   __syncthreads();
   // Softmax and mix of this CTA's columns.
@@ -203,10 +273,13 @@ __global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB,
     m = fmaxf(m, score[i]);
   }
   float l = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float weight[kMaxCand];  // p_i (kGram: the norm's sum of squares below); 0 for absent candidates
 #pragma unroll
   for (int i = 0; i < kMaxCand; ++i) {
+    weight[i] = 0.f;
     if (i < K || i == kMaxCand - 1) {
       const float p = __expf(score[i] - m);
+      weight[i] = p;
       l += p;
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j] = fmaf(p, x[i][j], acc[j]);
@@ -215,22 +288,46 @@ __global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB,
 #pragma unroll
   for (int j = 0; j < 8; ++j) acc[j] = acc[j] / l;
   if (kFused && a.out_norm_weight != nullptr) {
-    // y: the mix as the norm sees it (rounded to the io dtype, or the FP32 mix); 0 in inactive threads.
-    float sq = 0.f;
-    if (active) {
+    // kGram: |mix|^2 from the exchanged pairs, and whether it is accurate: each pair's FP32 sum carries an error of
+    // a few ulp of |v_i| |v_j|, so A's is a few ulp of B^2 = (sum_i p_i |v_i|)^2; below gram_tau B^2 (candidates
+    // that cancel), or NaN, the second exchange below. Every thread of every rank computes the same A and B.
+    bool gram_ok = false;
+    float gram_ss = 0.f;
+    if constexpr (kGram) {
+      float A = 0.f, B = 0.f;
+      int q = 0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (a.norm_rounded_mix) acc[j] = to_float(from_float<IO>(acc[j]));
-        sq = fmaf(acc[j], acc[j], sq);
+      for (int i = 0; i < kMaxCand; ++i) {
+        A = fmaf(weight[i] * weight[i], shared_ss[i], A);
+        B = fmaf(weight[i], sqrtf(shared_ss[i]), B);
+#pragma unroll
+        for (int j = i + 1; j < kMaxCand; ++j, ++q) A = fmaf(2.f * weight[i] * weight[j], shared_gram[q], A);
       }
+      gram_ok = A >= a.gram_tau * (B * B);
+      gram_ss = A / (l * l);
     }
-    sq = cta_sum(sq, warp_norm, warps, lane, warp);
-    if (threadIdx.x < CS) *cluster.map_shared_rank(&norm_inbox[rank], static_cast<int>(threadIdx.x)) = sq;
-    cluster_arrive_release();
-    cluster_wait_acquire();  // every rank's sum of squares is in this CTA's inbox
-    float ss = 0.f;
+    // y: the mix as the norm sees it (rounded to the io dtype, or the FP32 mix); 0 in inactive threads.
+    float ss = gram_ss;
+    if (!gram_ok) {
+      float sq = 0.f;
+      if (active) {
 #pragma unroll
-    for (int r = 0; r < CS; ++r) ss += norm_inbox[r];
+        for (int j = 0; j < 8; ++j) {
+          if (a.norm_rounded_mix) acc[j] = to_float(from_float<IO>(acc[j]));
+          sq = fmaf(acc[j], acc[j], sq);
+        }
+      }
+      sq = cta_sum(sq, warp_norm, warps, lane, warp);
+      if (threadIdx.x < CS) *cluster.map_shared_rank(&norm_inbox[rank], static_cast<int>(threadIdx.x)) = sq;
+      cluster_arrive_release();
+      cluster_wait_acquire();  // every rank's sum of squares is in this CTA's inbox
+      ss = 0.f;
+#pragma unroll
+      for (int r = 0; r < CS; ++r) ss += norm_inbox[r];
+    } else if (a.norm_rounded_mix) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = to_float(from_float<IO>(acc[j]));
+    }
     // torch's rms_norm order, (y * rsqrt(mean(y^2) + eps)) * weight; the rsqrt correctly rounded (as _norm_scale).
     const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fdiv_rn(ss, static_cast<float>(a.H)) +
                                                    static_cast<float>(a.out_eps)));
@@ -273,13 +370,13 @@ __global__ void __launch_bounds__(kClusterMaxThreads, (kMinCtasPerSm<NW, PW, MB,
 using ClusterKernel = void (*)(ClusterFwdArgs);
 
 // The variant for a call: the fewest block rows that hold its K.
-template <typename IO, typename NW, typename PW, int CS, bool kFused>
+template <typename IO, typename NW, typename PW, int CS, bool kFused, bool kGram>
 ClusterKernel pick_kernel(int64_t K) {
-  if (K <= 2) return attn_res_cluster_kernel<IO, NW, PW, CS, 2, kFused>;
-  if (K <= 4) return attn_res_cluster_kernel<IO, NW, PW, CS, 4, kFused>;
-  if (K <= 6) return attn_res_cluster_kernel<IO, NW, PW, CS, 6, kFused>;
+  if (K <= 2) return attn_res_cluster_kernel<IO, NW, PW, CS, 2, kFused, kGram>;
+  if (K <= 4) return attn_res_cluster_kernel<IO, NW, PW, CS, 4, kFused, kGram>;
+  if (K <= 6) return attn_res_cluster_kernel<IO, NW, PW, CS, 6, kFused, kGram>;
   static_assert(kClusterMaxBlocks == 8, "pick_kernel's last variant is kClusterMaxBlocks");
-  return attn_res_cluster_kernel<IO, NW, PW, CS, kClusterMaxBlocks, kFused>;
+  return attn_res_cluster_kernel<IO, NW, PW, CS, kClusterMaxBlocks, kFused, kGram>;
 }
 
 template <typename IO, typename NW, typename PW, int CS>
@@ -288,8 +385,12 @@ cudaError_t launch(const ClusterFwdArgs& args, int threads, bool pdl, cudaStream
   // changes nothing, and may take either: how the two are timed side by side).
   const bool fused = args.addend != nullptr || args.new_prefix != nullptr || args.inplace_prefix ||
                      args.write_idx >= 0 || args.out_norm_weight != nullptr || args.fp8 != Fp8Kind::kNone;
-  const ClusterKernel kernel = fused ? pick_kernel<IO, NW, PW, CS, true>(args.K)
-                                     : pick_kernel<IO, NW, PW, CS, false>(args.K);
+  // kGram only with the output norm (it is the norm's sum of squares); its own instantiation, so that the variant
+  // without it compiles as it was timed.
+  const bool gram = args.norm_gram && args.out_norm_weight != nullptr;
+  const ClusterKernel kernel = !fused ? pick_kernel<IO, NW, PW, CS, false, false>(args.K)
+                               : gram ? pick_kernel<IO, NW, PW, CS, true, true>(args.K)
+                                      : pick_kernel<IO, NW, PW, CS, true, false>(args.K);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(args.T * CS));
   config.blockDim = dim3(static_cast<unsigned>(threads));

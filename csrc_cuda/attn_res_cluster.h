@@ -41,6 +41,12 @@ struct ClusterFwdArgs {
   int64_t stride_pt, stride_bt, stride_bc, stride_at;  // in elements
   double eps;
   IoDtype io_dtype, nw_dtype, pw_dtype, onw_dtype;
+  // The cluster kernel with the output norm only (the streaming kernel ignores them): the norm's sum of squares
+  // from the candidates' pairwise products, exchanged with their statistics (no second exchange), where it is at
+  // least gram_tau (sum_i p_i |v_i|)^2; y in that sum is the FP32 mix (the output still the norm of y as above).
+  // Last, so that the other fields keep their offsets in the kernels' parameter block.
+  bool norm_gram;
+  float gram_tau;
 };
 
 // The most block rows of any compiled variant.

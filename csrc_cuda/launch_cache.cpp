@@ -82,8 +82,8 @@ struct Launch {
   bool pdl = false, cooperative = false;
   std::vector<Arg> args;             // Triton: every non-constexpr parameter in order; native: its tensors
   std::vector<int64_t> native_ints;  // single read: K, tokens_per_prog, grid, vectors_per_thread; cluster: K, CS, PDL,
-                                     // write_idx, in-place prefix, norm of the rounded mix, FP8 kind
-  std::vector<double> native_floats;  // single read: eps; cluster: eps, out_eps, fp8_max
+                                     // write_idx, in-place prefix, norm of the rounded mix, FP8 kind, norm_gram
+  std::vector<double> native_floats;  // single read: eps; cluster: eps, out_eps, fp8_max, gram_tau
 };
 
 struct Recipe {
@@ -285,7 +285,7 @@ void replay(const Recipe& r, c10::ArrayRef<c10::IValue> args, const at::Device& 
       } else {
         const auto& f = l.native_floats;
         attn_res_cluster_forward(*t(0), *t(1), *t(2), *t(3), *t(4), t(5), t(6), t(7), t(8), n[0], f[0], f[1], f[2],
-                                 n[3], n[1], n[2] != 0, n[4] != 0, n[5] != 0, n[6]);
+                                 n[3], n[1], n[2] != 0, n[4] != 0, n[5] != 0, n[6], n[7] != 0, f[3]);
       }
       continue;
     }
@@ -388,8 +388,8 @@ std::shared_ptr<const Recipe> parse_recipe(const py::handle& recipe, const std::
       for (const auto& a : l[1]) launch.args.push_back(arg_from(a));
       launch.native_ints = l[2].cast<std::vector<int64_t>>();
       launch.native_floats = l[3].cast<std::vector<double>>();
-      if (launch.args.size() != (single ? 8u : 9u) || launch.native_ints.size() != (single ? 4u : 7u) ||
-          launch.native_floats.size() != (single ? 1u : 3u)) {
+      if (launch.args.size() != (single ? 8u : 9u) || launch.native_ints.size() != (single ? 4u : 8u) ||
+          launch.native_floats.size() != (single ? 1u : 4u)) {
         return nullptr;
       }
       for (size_t i = 0; i < 5; ++i) {  // the first five tensors of either kernel are required

@@ -109,7 +109,7 @@ void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks
                               const c10::optional<at::Tensor>& out_norm_weight, const c10::optional<at::Tensor>& scale,
                               int64_t num_valid_blocks, double eps, double out_eps, double fp8_max, int64_t write_idx,
                               int64_t cluster_size, bool pdl, bool inplace_prefix, bool norm_rounded_mix,
-                              int64_t fp8_kind) {
+                              int64_t fp8_kind, bool norm_gram, double gram_tau) {
   const int64_t T = prefix.size(0), H = prefix.size(1);
   TORCH_CHECK(prefix.is_cuda() && blocks.dim() == 3 && blocks.size(0) == T && blocks.size(2) == H,
               "attn_res_cluster_forward: bad inputs");
@@ -147,6 +147,8 @@ void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks
   TORCH_CHECK(!out_norm_weight.has_value() || (out_norm_weight->is_contiguous() && out_norm_weight->numel() == H &&
                                                aligned16(*out_norm_weight)),
               "attn_res_cluster_forward: out_norm_weight must be a contiguous, aligned [H]");
+  TORCH_CHECK(!norm_gram || (cluster_size > 1 && gram_tau >= 0.0),
+              "attn_res_cluster_forward: norm_gram is the cluster kernel's (cluster_size > 1), gram_tau >= 0");
   kc::ClusterFwdArgs a{};
   a.addend = addend.has_value() ? addend->data_ptr() : nullptr;
   a.stride_at = addend.has_value() ? addend->stride(0) : 0;
@@ -157,6 +159,8 @@ void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks
   a.onw_dtype = out_norm_weight.has_value() ? io_dtype(*out_norm_weight) : kc::IoDtype::kFloat32;
   a.out_eps = out_eps;
   a.norm_rounded_mix = norm_rounded_mix;
+  a.norm_gram = norm_gram && out_norm_weight.has_value();
+  a.gram_tau = static_cast<float>(gram_tau);
   a.fp8 = static_cast<kc::Fp8Kind>(fp8_kind);
   a.scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
   a.fp8_max = fp8_max;
@@ -204,7 +208,7 @@ void register_cuda_functions(py::module& m) {
         py::arg("addend"), py::arg("new_prefix"), py::arg("out_norm_weight"), py::arg("scale"),
         py::arg("num_valid_blocks"), py::arg("eps"), py::arg("out_eps"), py::arg("fp8_max"), py::arg("write_idx"),
         py::arg("cluster_size"), py::arg("pdl"), py::arg("inplace_prefix"), py::arg("norm_rounded_mix"),
-        py::arg("fp8_kind"));
+        py::arg("fp8_kind"), py::arg("norm_gram") = false, py::arg("gram_tau") = 0.0);
   m.def("attn_res_cluster_threads", &cluster_threads,
         "Threads per CTA of the cluster forward (cluster_size 1: the streaming forward) for this shape (0: not "
         "supported)",

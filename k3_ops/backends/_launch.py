@@ -202,8 +202,8 @@ def launch_native(name: str, tensors: tuple, ints: tuple[int, ...], floats: tupl
     backward of csrc_cuda/attn_res_bwd.cu, with its 8 tensors (or None), (K, tokens_per_prog, grid,
     vectors_per_thread) and (eps,); "cluster_fwd", the forward of csrc_cuda/attn_res_cluster.cu, with (prefix,
     blocks, norm_weight, proj_weight, out, addend, new_prefix, out_norm_weight, scale; each of the last four or
-    None), (K, cluster_size, pdl, write_idx, inplace_prefix, norm_rounded_mix, fp8_kind) and (eps, out_eps,
-    fp8_max)."""
+    None), (K, cluster_size, pdl, write_idx, inplace_prefix, norm_rounded_mix, fp8_kind, norm_gram) and (eps,
+    out_eps, fp8_max, gram_tau)."""
     rec = _recorder()
     if rec is not None:
         if name not in NATIVE_KERNELS:
