@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import Sample, requires_cuda, requires_interpreter
+from conftest import Sample, requires_cuda, requires_interpreter, triton_interpreted
 from test_fused import NORM_RTOL, FusedCase, _truncate_to_bf16, bits, positional
 from test_npu_simulated import NpuTensor, simulated_npu  # noqa: F401  (the fixture)
 
@@ -29,11 +29,25 @@ FORCED = {
     # The table's plan at K = 9..16, 129-512 tokens: one row, 4 stages, the prefix first.
     "token-1row-s4-prefix-first": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=4, prefix_first=True),
     "token-onetile": dict(kernel="token", rows_per_tile=0, num_warps=8),  # every block row in one tile
+    # The output norm's sum of squares from the statistics (LaunchConfig.norm_gram): one tile, the loops of 1, 2
+    # and 4 rows with the prefix first and last.
+    "token-onetile-gram": dict(kernel="token", rows_per_tile=0, num_warps=8, norm_gram=True),
+    "token-1row-gram": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=1, norm_gram=True),
+    "token-prefix-first-gram": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=3, prefix_first=True,
+                                    norm_gram=True),
+    "token-2row-w8-gram": dict(kernel="token", rows_per_tile=2, num_warps=8, num_stages=1, norm_gram=True),
+    "token-4row-prefix-first-gram": dict(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1,
+                                         prefix_first=True, norm_gram=True),
     "rows": dict(kernel="rows", prefetch=1),
     "rows-pipelined": dict(kernel="rows", prefetch=0, num_stages=3),
     "split": dict(kernel="split", chunk=16),
     "stream": dict(kernel="stream"),  # CUDA C++ (a GPU only): shapes it cannot run take its token fallback
+    # The cluster kernel (CUDA C++, a GPU only) with the Gram norm (kGram), 8 and 2 CTAs per token.
+    "cluster8-gram": dict(kernel="cluster", cluster_size=8, norm_gram=True),
+    "cluster2-gram": dict(kernel="cluster", cluster_size=2, norm_gram=True),
 }
+#: The CUDA C++ paths (no interpreter).
+NATIVE_PATHS = [p for p, kw in FORCED.items() if kw["kernel"] in ("stream", "cluster")]
 
 
 def _forced(path: str):
@@ -59,7 +73,9 @@ def _run_policy(case: FusedCase, args: dict, path: str, monkeypatch):
     monkeypatch.setattr(cuda, "choose_config", choose)
     out, new_prefix = cuda.fused_attn_res(*positional(args))
     expected = FORCED[path]["kernel"]
-    if expected == "stream" and not cuda.cluster_supported(case.base.K, case.base.H, args["prefix_sum"].device, 1):
+    size = {"stream": 1, "cluster": config.cluster_size}.get(expected)
+    if size and (case.base.K < config.min_k
+                 or not cuda.cluster_supported(case.base.K, case.base.H, args["prefix_sum"].device, size)):
         expected = "token"  # the plan is its fallback (CLUSTER_FALLBACK_CONFIG); fp32 rows fall back per call
     assert seen == [expected], f"expected the {path} path, the policy chose {seen}"
     mix = cuda.attn_res_forward(new_prefix, args["block_residual"], args["norm_weight"], args["proj_weight"],
@@ -107,13 +123,114 @@ FLAG_CASES = [
 
 @requires_interpreter
 @pytest.mark.interpreter
-@pytest.mark.parametrize("path", [p for p in FORCED if p != "stream"])  # CUDA C++: no interpreter
+@pytest.mark.parametrize("path", [p for p in FORCED if p not in NATIVE_PATHS])  # CUDA C++: no interpreter
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in FLAG_CASES])
 def test_cuda_policy_paths_under_interpreter(case: FusedCase, path: str, monkeypatch):
     args = case.make("cpu")
     buf_before = args["block_residual"].clone()
     out, new_prefix, mix = _run_policy(case, args, path, monkeypatch)
     check_contract(case, args, buf_before, out, new_prefix, mix, truncating_bf16=True)
+
+
+GRAM_PATHS = [p for p in FORCED if p.endswith("-gram")]
+
+
+def _cancelling_case(T: int, K: int, H: int, device: str) -> dict:
+    """Fused-call inputs whose K + 1 candidates cancel in pairs (K odd): the prefix v and -v (1 +- 2^-10), block
+    rows u and -u (1 +- 2^-10), all scores 0 (proj_weight 0), so the mix is about 2^-11 of each candidate and its
+    sum of squares about 2^-22 of the candidates' (below fp16's ulp of them): one FP32 ulp of a pairwise product is
+    then a large error in it, which is what the Gram guard (LaunchConfig.gram_tau) catches."""
+    g = torch.Generator().manual_seed(11)
+    dt = torch.float16
+    v = torch.randn(T, H, generator=g, dtype=torch.float64)
+    buf = torch.full((T, K + 2, H), float("nan"), dtype=torch.float64)
+
+    def near_negative(x):
+        return -x * (1 + (torch.randint(0, 2, x.shape, generator=g) * 2 - 1) * 2.0 ** -10)
+
+    buf[:, 0] = near_negative(v)
+    for i in range(1, K, 2):
+        u = torch.randn(T, H, generator=g, dtype=torch.float64)
+        buf[:, i], buf[:, i + 1] = u, near_negative(u)
+    return dict(prefix_sum=v.to(device, dt), addend=None, block_residual=buf.to(device, dt),
+                norm_weight=torch.ones(H, device=device), proj_weight=torch.zeros(H, device=device),
+                num_valid_blocks=K, eps=1e-6, block_write_idx=-1,
+                out_norm_weight=(1 + 0.1 * torch.randn(H, generator=g)).to(device, dt), out_norm_eps=1e-6)
+
+
+def _gram_call(args: dict, path: str, gram_tau: float, monkeypatch):
+    from k3_ops.backends import cuda
+
+    config = cuda.LaunchConfig(**dict(FORCED[path], gram_tau=gram_tau))
+    real = cuda.choose_config
+    monkeypatch.setattr(cuda, "choose_config", lambda T, K, H, device, cfg=None: real(T, K, H, device, config))
+    out, new_prefix = cuda.fused_attn_res(*positional(args))
+    monkeypatch.setattr(cuda, "choose_config", real)
+    mix = cuda.attn_res_forward(new_prefix, args["block_residual"], args["norm_weight"], args["proj_weight"],
+                                args["num_valid_blocks"], args["eps"], config=config)
+    expected = torch.nn.functional.rms_norm(mix.float(), (mix.shape[1],), args["out_norm_weight"].float(),
+                                            args["out_norm_eps"])
+    return out, expected
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
+@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("path", GRAM_PATHS)
+def test_norm_gram_guard_on_cancelling_candidates(path: str, K: int, device: str, monkeypatch):
+    """With candidates that cancel, the norm's sum of squares from their pairwise products is far off (shown with
+    the guard off, gram_tau 0); with the default guard the call reduces over the mix and matches torch's RMSNorm
+    of the same path's mix."""
+    if device == "cpu" and not triton_interpreted():
+        pytest.skip("CPU tensors reach the Triton kernels only under the interpreter (TRITON_INTERPRET=1)")
+    if device == "cpu" and path in NATIVE_PATHS:
+        pytest.skip("a CUDA C++ kernel: no interpreter")
+    args = _cancelling_case(T=3, K=K, H=256 if device == "cpu" else 7168, device=device)
+    rtol = NORM_RTOL[torch.float16]
+    out, expected = _gram_call(args, path, 0.0, monkeypatch)
+    err = ((out.float() - expected).abs() / (rtol * (1 + expected.abs()))).max().item()
+    assert err > 1, f"{path}: the unguarded Gram norm is within tolerance ({err:.2f}): the case does not cancel"
+    out, expected = _gram_call(args, path, cuda_default_gram_tau(), monkeypatch)
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=rtol)
+
+
+def _correlated_case(T: int, K: int, H: int, device: str) -> dict:
+    """Fused-call inputs whose candidates share a common row (v_i = base + 0.5 noise_i) and differ in score: every
+    pairwise product is about as large as a row's own sum of squares, so a pair left out or counted twice in the
+    Gram norm moves the output by far more than the norm's tolerance."""
+    g = torch.Generator().manual_seed(12)
+    dt = torch.bfloat16
+    base = torch.randn(H, generator=g)
+    v = base + 0.5 * torch.randn(T, H, generator=g)
+    buf = torch.full((T, K + 2, H), float("nan"))
+    buf[:, :K] = base + 0.5 * torch.randn(T, K, H, generator=g)
+    return dict(prefix_sum=v.to(device, dt), addend=(0.1 * torch.randn(T, H, generator=g)).to(device, dt),
+                block_residual=buf.to(device, dt), norm_weight=(1 + 0.1 * torch.randn(H, generator=g)).to(device),
+                proj_weight=(0.5 * torch.randn(H, generator=g)).to(device), num_valid_blocks=K, eps=1e-6,
+                block_write_idx=K, out_norm_weight=(1 + 0.1 * torch.randn(H, generator=g)).to(device, dt),
+                out_norm_eps=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
+@pytest.mark.parametrize("K", [0, 1, 2, 3, 4, 8])
+@pytest.mark.parametrize("path", GRAM_PATHS)
+def test_norm_gram_correlated_candidates(path: str, K: int, device: str, monkeypatch):
+    """Every pair of candidates in the Gram norm, once: on candidates whose products are all large, the output
+    matches torch's RMSNorm of the same path's mix (and without the guard, so that the sum from the products is
+    the one checked)."""
+    if device == "cpu" and not triton_interpreted():
+        pytest.skip("CPU tensors reach the Triton kernels only under the interpreter (TRITON_INTERPRET=1)")
+    if device == "cpu" and path in NATIVE_PATHS:
+        pytest.skip("a CUDA C++ kernel: no interpreter")
+    args = _correlated_case(T=3, K=K, H=96 if device == "cpu" else 7168, device=device)
+    rtol = NORM_RTOL[torch.bfloat16] * (2 if device == "cpu" else 1)  # the interpreter's truncating bf16 store
+    out, expected = _gram_call(args, path, 0.0, monkeypatch)
+    torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=rtol, atol=rtol)
+
+
+def cuda_default_gram_tau() -> float:
+    from k3_ops.backends import cuda
+
+    return cuda.LaunchConfig().gram_tau
 
 
 @requires_interpreter

@@ -276,6 +276,22 @@ def test_cuda_launch_table_overrides():
     with pytest.raises(ValueError, match=r"LaunchConfig.prefix_first is the token path's with rows_per_tile >= 1 only, "
                                          r"got kernel 'token', rows_per_tile 0"):
         cuda.LaunchConfig(kernel="token", rows_per_tile=0, prefix_first=True)
+    with pytest.raises(ValueError, match=r"LaunchConfig.norm_gram is the cluster path's, or the token path's with "
+                                         r"rows_per_tile 0, 1, 2 or 4, only; got kernel 'token', rows_per_tile 8"):
+        cuda.LaunchConfig(kernel="token", rows_per_tile=8, norm_gram=True)
+    with pytest.raises(ValueError, match=r"LaunchConfig.norm_gram is the cluster path's, .* got kernel 'rows'"):
+        cuda.LaunchConfig(kernel="rows", norm_gram=True)
+    with pytest.raises(ValueError, match=r"LaunchConfig.norm_gram is the cluster path's, .* got kernel 'stream'"):
+        cuda.LaunchConfig(kernel="stream", norm_gram=True)
+    with pytest.raises(ValueError, match=r"LaunchConfig.gram_tau must be >= 0, got -0.5"):
+        cuda.LaunchConfig(kernel="token", norm_gram=True, gram_tau=-0.5)
+    # The Gram norm where the resolved tiles have at most 4 rows (a one-tile plan at K <= 4), else without it; no
+    # table entry sets it.
+    gram = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, norm_gram=True)
+    for K, expected in ((0, True), (1, True), (4, True), (5, False), (8, False)):
+        plan = cuda.choose_config(5, K, 7168, torch.device("cpu"), gram)
+        assert (plan.norm_gram, plan.gram_tau) == ((True, 2.0 ** -6) if expected else (False, 0.0)), K
+    assert not any(entry.norm_gram for entry in cuda.LAUNCH_TABLE.values())
     # The prefix candidate first: the one-row plans at K = 5..16 above 128 tokens and K = 3..4 above 512 (up to
     # LOOP_MAX_T), and no other entry.
     for T in (1, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 2048, 2049, 4096, 4097):

@@ -57,6 +57,11 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
   K = 5, 8, 16; the table timed first and last.
 - loop_large_small_k: the same plan (3 or 4 stages) above 512 tokens at K = 1..4, where the table runs the rows
   kernel up to 4096 tokens; plain and fused, T = 768..4096, K = 1..4; the table timed first and last.
+- norm_gram: the table's per-token plans with the output norm's sum of squares from the candidates' pairwise
+  products (LaunchConfig.norm_gram; tiles of at most 4 rows), and where the table runs the cluster kernel its
+  token fallback with and without it; the fused call only (the plain op has no norm: the same kernel), T = 1..1024,
+  K = 1, 2, 4, 8; the table timed first and last.
+- layer_norm_gram: the layer schedule with the same rule at every site.
 """
 from __future__ import annotations
 
@@ -210,6 +215,30 @@ LOOP_LARGE_SMALL_K = {"table": TABLE, **{f"pf_s{st}": loop_plan(token(1, 4, st, 
                                          for st in (3, 4)}, "table_again": TABLE}
 
 
+def norm_gram_choice(T: int, K: int, fused_call: bool, on_cluster: str) -> cuda.LaunchConfig | None:
+    """The table's own per-token plan for a fused call with ``norm_gram`` (where its tiles have at most 4 rows; the
+    others unchanged); where the table names the cluster kernel, ``on_cluster``: "table" keeps it, "fallback" runs
+    its token fallback as it is, "fallback_gram" that fallback with norm_gram. None: the table's plan."""
+    own = table_entry(T, K)
+    if not fused_call:
+        return None  # the plain op (the layer's final mix): no norm, its own plan
+    if own.kernel == "cluster":
+        if on_cluster == "table" or own.fallback is None or own.fallback.kernel != "token":
+            return None
+        return own.fallback if on_cluster == "fallback" else dataclasses.replace(own.fallback, norm_gram=True)
+    if own.kernel == "token" and own.rows_per_tile <= 4:
+        return dataclasses.replace(own, norm_gram=True)
+    return None
+
+
+def norm_gram(on_cluster: str) -> Ops:
+    return variant(lambda T, K, f: norm_gram_choice(T, K, f, on_cluster))
+
+
+NORM_GRAM = {"table": TABLE, "gram": norm_gram("table"), "cluster_fallback": norm_gram("fallback"),
+             "cluster_fallback_gram": norm_gram("fallback_gram"), "table_again": TABLE}
+
+
 SECTIONS = {
     "k12": ({"table": TABLE, "previous": variant(lambda T, K, f: previous_k12(T, K))},
             dict(tokens=[1, 2, 4, 8, 16, 32, 64, 128, 256], blocks=[1, 2]), (mix, fused)),
@@ -266,6 +295,9 @@ SECTIONS = {
     # One buffer for 16384 tokens, as the main job's: a block-major token's rows lie 235 MB apart.
     "token_tiles_layouts": (TOKEN_TILES, dict(tokens=[128, 16384], blocks=[5, 8], layouts=["token", "block"]),
                             (mix,)),
+    "norm_gram": (NORM_GRAM, dict(tokens=[1, 8, 16, 32, 64, 128, 256, 512, 1024], blocks=[1, 2, 4, 8]), (fused,)),
+    "layer_norm_gram": ({"table": TABLE, "gram": norm_gram("table"), "gram_no_cluster": norm_gram("fallback_gram"),
+                         "table_again": TABLE}, dict(tokens=[1, 8, 64, 512]), (layer,)),
     "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
                       "stream": variant(lambda T, K, f: STREAM)},
                      dict(tokens=[2048, 8192], blocks=[2, 5, 8]), (mix, fused)),

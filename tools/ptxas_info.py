@@ -142,18 +142,18 @@ def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fuse
 
 
 def token(dtype="bf16", block_h=8192, rows=4, num_warps=8, num_stages=1, fused=None, acc64=False, one_tile=False,
-          onw_ahead=False, prefix_first=False, asm="ptx"):
+          onw_ahead=False, prefix_first=False, norm_gram=False, asm="ptx"):
     """The per-token decode kernel (kernels/attn_res_decode.py) with PDL, as the CUDA policy launches it; ``asm``:
     which of the compiled forms to return ("ptx", or "ttir" for the Triton IR)."""
     from k3_ops.kernels import attn_res_decode
 
     sig, const = rows_signature(dtype, fused or {})
     del sig["PREFETCH"]
-    for name in ("ROWS", "USE_PDL", "ONE_TILE", "ONW_AHEAD", "PREFIX_FIRST"):
+    for name in ("ROWS", "USE_PDL", "ONE_TILE", "ONW_AHEAD", "PREFIX_FIRST", "NORM_GRAM"):
         sig[name] = "constexpr"
     const.update(BLOCK_H=block_h, ROWS=rows, VEC=8 if dtype != "fp32" else 4, H_STRIDED=False, ACC64=acc64,
                  NUM_STAGES=num_stages, USE_PDL=True, ONE_TILE=one_tile, ONW_AHEAD=onw_ahead,
-                 PREFIX_FIRST=prefix_first)
+                 PREFIX_FIRST=prefix_first, NORM_GRAM=norm_gram)
     src = _source(attn_res_decode.attn_res_token_kernel, sig, const)
     k = triton.compile(src, target=TARGET, options=_options(num_warps))
     return k.asm[asm], k.metadata.shared

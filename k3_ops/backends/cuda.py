@@ -210,6 +210,15 @@ class LaunchConfig:
     cluster_size: cluster path only, CTAs per token (2, 4 or 8).
     min_k: cluster and stream paths only, the smallest K it runs; smaller K, and calls or shapes it cannot run,
         take ``fallback`` (None: ``CLUSTER_FALLBACK_CONFIG``).
+    norm_gram: token and cluster paths, fused calls with the output norm: the norm's sum of squares from the
+        candidates' pairwise products, reduced (cluster: exchanged) with their statistics (``NORM_GRAM`` in
+        kernels/attn_res_decode.py, ``kGram`` in csrc_cuda/attn_res_cluster.cu), not over the mix after it; on the
+        token path where the plan's tiles have at most 4 rows (a one-tile plan at K <= 4, loops of 1, 2 or 4 rows),
+        else as without it; a cluster plan's fallback takes its own. The mix, new_prefix and the snapshot are the
+        same bits; the norm's sum of squares is the FP32 mix's, not the rounded mix's (within the norm's
+        tolerance).
+    gram_tau: with norm_gram, the guard: where |mix|^2 < gram_tau (sum_i p_i |v_i|)^2 (candidates that cancel),
+        the norm reduces over its input as without norm_gram.
     """
 
     kernel: str = "rows"
@@ -227,6 +236,8 @@ class LaunchConfig:
     min_k: int = 1
     fallback: LaunchConfig | None = None
     prefix_first: bool = False
+    norm_gram: bool = False
+    gram_tau: float = 2.0 ** -6
 
     def __post_init__(self):
         if self.kernel not in ("token", "rows", "split", "tiles", "cluster", "stream"):
@@ -252,6 +263,11 @@ class LaunchConfig:
         if self.prefix_first and (self.kernel != "token" or self.rows_per_tile == 0):
             raise ValueError("LaunchConfig.prefix_first is the token path's with rows_per_tile >= 1 only, got kernel "
                              f"{self.kernel!r}, rows_per_tile {self.rows_per_tile}")
+        if self.norm_gram and not (self.kernel == "cluster" or (self.kernel == "token" and self.rows_per_tile <= 4)):
+            raise ValueError("LaunchConfig.norm_gram is the cluster path's, or the token path's with rows_per_tile 0, "
+                             f"1, 2 or 4, only; got kernel {self.kernel!r}, rows_per_tile {self.rows_per_tile}")
+        if not self.gram_tau >= 0.0:
+            raise ValueError(f"LaunchConfig.gram_tau must be >= 0, got {self.gram_tau}")
 
 
 T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 62)
@@ -450,6 +466,8 @@ class _Plan:
     rows_per_tile: int = 0  # token
     one_tile: bool = False  # token: every block row in one tile of rows_per_tile rows
     prefix_first: bool = False  # token with a loop: the prefix candidate folded before the block rows
+    norm_gram: bool = False  # token (tiles of at most 4 rows), cluster: the norm's sum of squares from the statistics
+    gram_tau: float = 0.0  # with norm_gram: its guard (LaunchConfig.gram_tau)
     pdl: bool = False  # token, rows
     tokens_per_prog: int = 1  # tiles
     ctas_per_sm: int = 0  # rows
@@ -538,7 +556,9 @@ def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Pla
         if K < config.min_k or not cluster_supported(K, H, device, cluster_size):
             return fallback
         pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
-        return _Plan(config.kernel, 0, pdl=pdl, cluster_size=cluster_size, fallback=fallback)
+        gram = config.norm_gram and config.kernel == "cluster"
+        return _Plan(config.kernel, 0, pdl=pdl, cluster_size=cluster_size, fallback=fallback, norm_gram=gram,
+                     gram_tau=config.gram_tau if gram else 0.0)
     if config.kernel == "token":
         pdl = pdl_enabled(device) if config.pdl is None else bool(config.pdl and not use_interpreter(device))
         rows, one_tile, stages = config.rows_per_tile, config.rows_per_tile == 0, config.num_stages
@@ -548,9 +568,10 @@ def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Pla
                 # A tile that large only spills: the decode default's 4-row tiles, unpipelined (staged fp32 tiles
                 # of 8192 columns would not fit the shared memory).
                 rows, one_tile = 4, False
+        gram = config.norm_gram and rows <= 4
         return _Plan("token", config.num_warps or _rows_warps(block_h), block_h=block_h, rows_per_tile=rows,
-                     one_tile=one_tile, prefix_first=config.prefix_first and not one_tile, pdl=pdl,
-                     num_stages=stages, maxnreg=config.maxnreg)
+                     one_tile=one_tile, prefix_first=config.prefix_first and not one_tile, norm_gram=gram,
+                     gram_tau=config.gram_tau if gram else 0.0, pdl=pdl, num_stages=stages, maxnreg=config.maxnreg)
     if config.kernel == "split":
         k_pad = next_power_of_2(K + 1)
         chunk = min(config.chunk, block_h)
@@ -637,7 +658,9 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
             return dict(BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile, NUM_STAGES=plan.num_stages,
                         USE_PDL=plan.pdl, **common, **({"ONW_AHEAD": True} if ahead else {}),
                         **({"ONE_TILE": True} if plan.one_tile else {}),
-                        **({"PREFIX_FIRST": True} if plan.prefix_first else {}))
+                        **({"PREFIX_FIRST": True} if plan.prefix_first else {}),
+                        **({"NORM_GRAM": True, "GRAM_TAU": plan.gram_tau}
+                           if plan.norm_gram and flags.get("OUT_NORM", False) else {}))
         if plan.kernel == "rows":
             return dict(BLOCK_H=plan.block_h, PREFETCH=plan.prefetch, NUM_STAGES=plan.num_stages,
                         USE_PDL=plan.pdl, **common)
@@ -655,20 +678,24 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
                 *(t for t in (() if fused is None else (fused.new_prefix, fused.addend)) if t is not None))
         if (fused_ok and prefix_sum.element_size() == 2 and all(w.data_ptr() % 16 == 0 for w in (nw, pw, onw)
                                                                 if w is not None) and _cluster_layout_ok(rows)):
+            # The Gram norm: the cluster kernel's, with the output norm (the streaming kernel has none).
+            gram = plan.norm_gram and onw is not None and plan.cluster_size > 1
             if fused is None:
                 cluster = (prefix_sum, block_residual, nw, pw, out, None, None, None, None)
-                flags, floats = (-1, 0, 0, 0), (eps, 1.0, 0.0)
+                flags, floats = (-1, 0, 0, 0, 0), (eps, 1.0, 0.0, 0.0)
             else:
                 fp8 = _CLUSTER_FP8_KINDS[fused.out_dtype]
                 cluster = (prefix_sum, block_residual, nw, pw, out, fused.addend, fused.new_prefix, onw, fused.scale)
-                flags = (fused.write_idx, int(fused.inplace), int(fused.round_mix), fp8)
-                floats = (eps, fused.out_eps, reference.FP8_MAX.get(fused.out_dtype, 0.0))
+                flags = (fused.write_idx, int(fused.inplace), int(fused.round_mix), fp8, int(gram))
+                floats = (eps, fused.out_eps, reference.FP8_MAX.get(fused.out_dtype, 0.0),
+                          plan.gram_tau if gram else 0.0)
             _launch.launch_native("cluster_fwd", cluster, (K, plan.cluster_size, plan.pdl, *flags), floats)
             from .. import _C
 
             with _device_guard(prefix_sum):
                 _C.attn_res_cluster_forward(*cluster, K, floats[0], floats[1], floats[2], flags[0], plan.cluster_size,
-                                            plan.pdl, bool(flags[1]), bool(flags[2]), flags[3])
+                                            plan.pdl, bool(flags[1]), bool(flags[2]), flags[3], bool(flags[4]),
+                                            floats[3])
             return
         return _launch_forward(plan.fallback, prefix_sum, block_residual, nw, pw, out, K, eps, fused)
     stream = _stream(prefix_sum)

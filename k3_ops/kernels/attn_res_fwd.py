@@ -202,6 +202,21 @@ def _norm_scale_npu(ss, H, out_eps):
 
 
 @triton.jit
+def _norm_sum_sq(x, gram_ss, gram_ok, NORM_GRAM: tl.constexpr):
+    # The output norm's sum of squares of its input row x: reduced over x, or with NORM_GRAM the one the kernel
+    # formed from its candidates' pairwise products (attn_res_decode.py, "Gram"), where ``gram_ok`` says it is
+    # accurate, which is uniform over the program (a runtime branch: the reduction runs only where it is not).
+    if NORM_GRAM:
+        if gram_ok:
+            ss = gram_ss.to(tl.float32)
+        else:
+            ss = tl.sum(x * x, axis=0)
+    else:
+        ss = tl.sum(x * x, axis=0)
+    return ss
+
+
+@triton.jit
 def _apply_out_norm(x, scale, onw_ptr, cols, mask):
     # torch's rms_norm order: (x * rsqrt(...)) * weight, in FP32.
     g = tl.load(onw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -299,12 +314,14 @@ def _fp8_bits(y, scale, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
 @triton.jit
 def _serving_row_out(out_ptr, io_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot,
                      VEC: tl.constexpr, OUT_NORM: tl.constexpr, NORM_FP32_MIX: tl.constexpr, FP8_OUT: tl.constexpr,
-                     FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, NPU_NORM_SCALE: tl.constexpr = False):
+                     FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, NPU_NORM_SCALE: tl.constexpr = False,
+                     gram_ss=0.0, gram_ok=False, NORM_GRAM: tl.constexpr = False):
     # NPU_NORM_SCALE: the norm's scale in the form triton-ascend lowers (_norm_scale_npu: no scalar div_rn).
+    # NORM_GRAM: the norm's sum of squares given (gram_ss where gram_ok; see _norm_sum_sq).
     y = mix
     if OUT_NORM:
         x = _norm_input(mix, hmask, io_ptr, NORM_FP32_MIX)
-        ss = tl.sum(x * x, axis=0)
+        ss = _norm_sum_sq(x, gram_ss, gram_ok, NORM_GRAM)
         if NPU_NORM_SCALE:
             scale = _norm_scale_npu(ss, H, out_eps)
         else:
@@ -325,15 +342,17 @@ def _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_
                       out_eps, stride_ot, stride_nt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh, write_idx,
                       VEC: tl.constexpr, H_STRIDED: tl.constexpr, HAS_ADDEND: tl.constexpr, SNAPSHOT: tl.constexpr,
                       OUT_NORM: tl.constexpr, INPLACE_PREFIX: tl.constexpr, NORM_FP32_MIX: tl.constexpr,
-                      FP8_OUT: tl.constexpr, FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr):
-    # A complete token row (rows kernel): v is its prefix candidate (the new prefix), mix its FP32 mix.
+                      FP8_OUT: tl.constexpr, FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, gram_ss=0.0,
+                      gram_ok=False, NORM_GRAM: tl.constexpr = False):
+    # A complete token row (rows kernel, per-token kernel): v is its prefix candidate (the new prefix), mix its
+    # FP32 mix; NORM_GRAM: the norm's sum of squares given (_norm_sum_sq).
     _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt, stride_ph,
                           stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT,
                           INPLACE_PREFIX)
     # K = 0: the mix IS the new prefix (attn_res's exact copy); 0 * acc + 1 * v would turn -0.0 into +0.0.
     mix = tl.where(K == 0, v.to(tl.float32), mix)
     _serving_row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC,
-                     OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX)
+                     OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, False, gram_ss, gram_ok, NORM_GRAM)
 
 
 # --------------------------------------------------------------------------------------------------------------
