@@ -62,6 +62,10 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
   token fallback with and without it; the fused call only (the plain op has no norm: the same kernel), T = 1..1024,
   K = 1, 2, 4, 8; the table timed first and last.
 - layer_norm_gram: the layer schedule with the same rule at every site.
+- norm_gram_cluster: the table's cluster entries with the Gram norm (the cluster kernel's kGram: the norm's sum of
+  squares from the first exchange, the second exchange only where the guard asks for it), every other entry the
+  table's; the fused call only, T = 1..64, K = 2, 4, 5, 8; the table timed first and last.
+- layer_norm_gram_cluster: the layer schedule with that rule, T = 1, 8, 64 (no cluster entry above 64 tokens).
 """
 from __future__ import annotations
 
@@ -235,6 +239,14 @@ def norm_gram(on_cluster: str) -> Ops:
     return variant(lambda T, K, f: norm_gram_choice(T, K, f, on_cluster))
 
 
+def cluster_gram(T: int, K: int, fused_call: bool) -> cuda.LaunchConfig | None:
+    """The table's cluster entry with ``norm_gram`` for a fused call; None (the table's plan) elsewhere."""
+    own = table_entry(T, K)
+    return dataclasses.replace(own, norm_gram=True) if fused_call and own.kernel == "cluster" else None
+
+
+CLUSTER_GRAM = {"table": TABLE, "cluster_gram": variant(cluster_gram), "table_again": TABLE}
+
 NORM_GRAM = {"table": TABLE, "gram": norm_gram("table"), "cluster_fallback": norm_gram("fallback"),
              "cluster_fallback_gram": norm_gram("fallback_gram"), "table_again": TABLE}
 
@@ -298,6 +310,8 @@ SECTIONS = {
     "norm_gram": (NORM_GRAM, dict(tokens=[1, 8, 16, 32, 64, 128, 256, 512, 1024], blocks=[1, 2, 4, 8]), (fused,)),
     "layer_norm_gram": ({"table": TABLE, "gram": norm_gram("table"), "gram_no_cluster": norm_gram("fallback_gram"),
                          "table_again": TABLE}, dict(tokens=[1, 8, 64, 512]), (layer,)),
+    "norm_gram_cluster": (CLUSTER_GRAM, dict(tokens=[1, 8, 16, 32, 64], blocks=[2, 4, 5, 8]), (fused,)),
+    "layer_norm_gram_cluster": (CLUSTER_GRAM, dict(tokens=[1, 8, 64]), (layer,)),
     "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
                       "stream": variant(lambda T, K, f: STREAM)},
                      dict(tokens=[2048, 8192], blocks=[2, 5, 8]), (mix, fused)),
