@@ -35,7 +35,8 @@ Before timing, each form's output at every shape is checked against the float64 
 max-abs error must be at most 1.25 times the FP32 eager formula's; a form that fails is reported and not timed.
 The JSON holds the timings, the error ratios and each kernel's registers, shared memory and resident clusters.
 
-Usage, on the GPU machine: python tools/cluster_ring_probe.py [--out DIR]
+Usage, on the GPU machine: python tools/cluster_ring_probe.py [--out DIR]; RING_VARIANTS=a,b,... times only the
+named forms (every form is built either way).
 """
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ VARIANTS = {"ring_cs8_s2": (8, 2, 0, 1, 0), "ring_cs8_s3": (8, 3, 0, 1, 0), "rin
             "regs_cs8": (8, 2, 1, 1, 0), "regs_cs4": (4, 2, 1, 1, 0),
             "mbar_ring_cs8_s2": (8, 2, 0, 1, 1), "mbar_ring_cs4_s2": (4, 2, 0, 1, 1),
             "mbar_regs_cs8": (8, 2, 1, 1, 1), "mbar_regs_cs4": (4, 2, 1, 1, 1)}
+if os.environ.get("RING_VARIANTS"):
+    _named = os.environ["RING_VARIANTS"].split(",")
+    _unknown = [n for n in _named if n not in VARIANTS]
+    if _unknown:
+        raise SystemExit(f"RING_VARIANTS must name forms of {', '.join(VARIANTS)}, got {', '.join(_unknown)}")
+    VARIANTS = {n: VARIANTS[n] for n in _named}
 TOKENS = [64, 128, 256, 512, 1024, 4096]
 BLOCKS = [4, 8]
 H, CAPACITY, EPS = 7168, 9, 1e-6
