@@ -1,4 +1,5 @@
-// The thread-block-cluster forward of kimi_k3::attn_res (decode sizes): host-side interface of attn_res_cluster.cu.
+// The thread-block-cluster forward of kimi_k3::attn_res (decode sizes): host-side interface of attn_res_cluster.cu
+// (the entry) and attn_res_cluster_cs{2,4,8}.cu (the kernel of attn_res_cluster_kernel.h, a unit per cluster size).
 //
 // Plain CUDA runtime types only, as attn_res_bwd.h; python_cuda.cpp turns tensors into these arguments.
 #pragma once
@@ -51,6 +52,13 @@ struct ClusterFwdArgs {
 
 // The most block rows of any compiled variant.
 constexpr int kClusterMaxBlocks = 8;
+// Threads per CTA at most: 128 registers each for the 9 x 8 candidate values held across the exchange.
+constexpr int kClusterMaxThreads = 512;
+
+// The launch for 2, 4 or 8 CTAs per token (attn_res_cluster_cs{2,4,8}.cu; threads: cluster_fwd_threads's).
+cudaError_t launch_cluster_fwd_cs2(const ClusterFwdArgs& args, int threads, bool pdl, cudaStream_t stream);
+cudaError_t launch_cluster_fwd_cs4(const ClusterFwdArgs& args, int threads, bool pdl, cudaStream_t stream);
+cudaError_t launch_cluster_fwd_cs8(const ClusterFwdArgs& args, int threads, bool pdl, cudaStream_t stream);
 
 // Threads per CTA for this shape, or 0 when the kernel cannot run it: a 16-bit io dtype, 1 <= K <= 8, H a multiple
 // of 8 x cluster_size with at most 512 8-element vectors per CTA, cluster_size 2, 4 or 8; cluster_size 1 is the

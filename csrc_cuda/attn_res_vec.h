@@ -1,4 +1,4 @@
-// Device helpers of the CUDA C++ forward kernels (attn_res_cluster.cu, attn_res_stream.cu): 16-byte vector loads
+// Device helpers of the CUDA C++ forward kernels (attn_res_cluster_kernel.h, attn_res_stream.cu): 16-byte vector loads
 // (split into fetch and unpack) and stores of 8 elements converted to / from FP32, CTA-wide reductions, the e4m3
 // encoding, the split cluster barrier. Included by .cu files only (device code).
 #pragma once
@@ -148,7 +148,7 @@ __device__ __forceinline__ void store8(T* p, const float (&y)[8]) {
 // arrive_relaxed orders nothing (the "every CTA has started" phase, before any distributed-shared-memory access);
 // arrive_release orders this thread's earlier stores, local and remote, before the arrive; wait_acquire makes every
 // store released by the phase's arrives visible to this thread. Below sm_90 they compile to nothing: the kernels
-// that call them trap there (attn_res_cluster.cu).
+// that call them trap there (attn_res_cluster_kernel.h).
 __device__ __forceinline__ void cluster_arrive_relaxed() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");

@@ -1,4 +1,4 @@
-// The transposing warp sum shared by the CUDA C++ kernels (attn_res_bwd.cu's pass 1, attn_res_cluster.cu's
+// The transposing warp sum shared by the CUDA C++ kernels (attn_res_bwd.cu's pass 1, attn_res_cluster_kernel.h's
 // statistics): N per-lane values summed over the warp in about N shuffles instead of 5 N. Included by .cu files
 // only (device code).
 //

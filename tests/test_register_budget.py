@@ -246,26 +246,33 @@ def test_cuda_cpp_stream_variants_fit_two_ctas_per_sm_without_local_memory(strea
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The CUDA C++ cluster forward (csrc_cuda/attn_res_cluster.cu), compiled the same way.
+# The CUDA C++ cluster forward (csrc_cuda/attn_res_cluster_kernel.h, one translation unit per cluster size:
+# attn_res_cluster_cs{2,4,8}.cu), compiled the same way.
 # --------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def cluster_budget(tmp_path_factory) -> dict[tuple[str, int, int, bool], dict[str, int]]:
-    """ptxas -v of every cluster variant, keyed (template arguments, cluster size, most block rows, fused)."""
-    # ..._cluster_kernelI13__nv_bfloat16S3_S3_Li8ELi4ELb1EE... (io, nw, pw dtypes, CS, MB, fused)
-    return _nvcc_resources("attn_res_cluster.cu", tmp_path_factory,
-                           r"\w*cluster_kernelI(\w+?)Li(\d+)ELi(\d+)ELb([01])E",
-                           lambda m: (m.group(1), int(m.group(2)), int(m.group(3)), m.group(4) == "1"))
+def cluster_budget(tmp_path_factory) -> dict[tuple[str, int, int, bool, bool], dict[str, int]]:
+    """ptxas -v of every cluster variant, keyed (template arguments, cluster size, most block rows, fused, Gram
+    norm)."""
+    # ..._cluster_kernelI13__nv_bfloat16S3_S3_Li8ELi4ELb1ELb0EE... (io, nw, pw dtypes, CS, MB, fused, kGram)
+    budget = {}
+    for cs in (2, 4, 8):
+        budget.update(_nvcc_resources(f"attn_res_cluster_cs{cs}.cu", tmp_path_factory,
+                                      r"\w*cluster_kernelI(\w+?)Li(\d+)ELi(\d+)ELb([01])ELb([01])E",
+                                      lambda m: (m.group(1), int(m.group(2)), int(m.group(3)), m.group(4) == "1",
+                                                 m.group(5) == "1")))
+    return budget
 
 
 def test_cuda_cpp_cluster_variants_keep_their_rows_in_registers(cluster_budget):
-    # 2 io dtypes x 3 x 3 weight dtypes x cluster sizes {2, 4, 8} x most block rows {2, 4, 6, 8} x {plain, fused}.
+    # 2 io dtypes x 3 x 3 weight dtypes x cluster sizes {2, 4, 8} x most block rows {2, 4, 6, 8} x {plain, fused,
+    # fused with the Gram norm}.
     # The launch bound (512 threads) allows 128 registers per thread; a thread holds MB + 1 candidates x 8 columns
     # in FP32 across the exchange, and all of its loads are in flight at once (fetch8), so a spill or a stack frame
     # would put rows in local memory. nvcc 13.0: 111-126 registers at MB = 8, 90-110 at MB = 6, 71-94 at MB = 4,
     # 54-72 at MB = 2, no spills. The fused 2-block variants with an FP32 weight take a minimum of one CTA per SM in
     # their launch bound (kMinCtasPerSm): without it ptxas stopped them at 64 registers and those with 8 CTAs
     # spilled 8-16 bytes.
-    assert len(cluster_budget) == 432, sorted(cluster_budget)
+    assert len(cluster_budget) == 648, sorted(cluster_budget)
     for key, r in cluster_budget.items():
         assert 0 < r["regs"] <= 128, (key, r)
         assert r.get("stack", 0) == 0 and r.get("spill_stores", 0) == 0 and r.get("spill_loads", 0) == 0, (key, r)
@@ -275,6 +282,7 @@ def test_cuda_cpp_cluster_few_block_variants_hold_fewer_registers(cluster_budget
     # A variant with fewer block rows exists to drop the absent candidates' values and statistics: it must hold
     # fewer registers than the next larger variant of the same arguments, or it buys nothing.
     larger = {2: 4, 4: 6, 6: 8}
-    for (args, cs, mb, fused), r in cluster_budget.items():
+    for (args, cs, mb, fused, gram), r in cluster_budget.items():
         if mb in larger:
-            assert r["regs"] < cluster_budget[(args, cs, larger[mb], fused)]["regs"], (args, cs, mb, fused, r)
+            bigger = cluster_budget[(args, cs, larger[mb], fused, gram)]
+            assert r["regs"] < bigger["regs"], (args, cs, mb, fused, gram, r)

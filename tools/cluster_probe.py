@@ -1,7 +1,7 @@
 """Where the cluster kernel's time goes at decode sizes: its loads and its exchange, timed apart (H200 data in
 docs/benchmarks.md, "Where the remaining gap goes").
 
-The table's plain op at T <= 16, K = 5..8 is csrc_cuda/attn_res_cluster.cu: a token over a cluster of 8 CTAs,
+The table's plain op at T <= 16, K = 5..8 is csrc_cuda/attn_res_cluster_kernel.h: a token over a cluster of 8 CTAs,
 each holding 1/8 of the columns of every candidate row, exchanging per-candidate partial statistics through
 distributed shared memory. This probe builds (torch.utils.cpp_extension.load_inline, sm_90) the same loads,
 statistics and mix in forms that differ only in the exchange and in the order of the loads, and times them beside
@@ -13,7 +13,7 @@ computing all scores): what it isolates is the exchange and the load order, not 
 - ``pull``: the library's before the push exchange: each CTA writes its partials to its own shared memory,
   ``cluster.sync()``, every CTA reads all ranks' partials (DSMEM loads), and a second ``cluster.sync()`` before
   exit so that no CTA frees shared memory another still reads.
-- ``push``: the library's now (attn_res_cluster.cu, with its barrier helpers from attn_res_vec.h): each CTA stores
+- ``push``: the library's now (attn_res_cluster_kernel.h, with its barrier helpers from attn_res_vec.h): each CTA stores
   its partials into every rank's inbox (DSMEM stores), then one split cluster barrier (arrive.release /
   wait.acquire) and only local reads after it, so no barrier at exit; the "every CTA has started" rule for DSMEM
   is a relaxed arrive at entry, waited for just before the remote stores (by then long satisfied). Same sums in

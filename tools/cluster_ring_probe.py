@@ -1,7 +1,7 @@
 """Persistent thread-block clusters with a shared-memory ring: does the cluster kernel's design hold from 64 tokens
 up, once its clusters stream tokens instead of taking one each?
 
-The table's cluster kernel (csrc_cuda/attn_res_cluster.cu) gives each token a cluster of CTAs that hold their
+The table's cluster kernel (csrc_cuda/attn_res_cluster_kernel.h) gives each token a cluster of CTAs that hold their
 columns of every candidate row in registers and exchange per-candidate partial statistics (sum v^2, <v, w>)
 through distributed shared memory. At T <= 64 it is the table's fastest plain op; from 128 tokens on it loses to
 one program per token (the notes on the launch table's cluster entries in k3_ops/backends/cuda.py: T = 128, K = 8,

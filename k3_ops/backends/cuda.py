@@ -22,7 +22,7 @@ Forward (``attn_res_forward``, and ``fused_attn_res`` through the same plans), k
   call from the caching allocator, like an output.
 - **tiles** (opt-in): the Ascend kernel's two-pass algorithm on CUDA, for comparison.
 - **cluster** (the default for K = 5..8 up to 64 tokens, K = 3..4 up to 32, K = 2 up to 16): the CUDA C++
-  kernel of csrc_cuda/attn_res_cluster.cu, each token split over a thread-block cluster of ``cluster_size``
+  kernel of csrc_cuda/attn_res_cluster_kernel.h, each token split over a thread-block cluster of ``cluster_size``
   CTAs exchanging their partial statistics through distributed shared memory (sm_90+, a CUDA build of
   k3_ops._C, 16-bit rows, K <= 8, H a multiple of 8 x cluster_size, unit hidden strides, 16-byte aligned rows;
   the plain op and every fused call, the output norm and the FP8 output included). Everything else that a
@@ -212,7 +212,7 @@ class LaunchConfig:
         take ``fallback`` (None: ``CLUSTER_FALLBACK_CONFIG``).
     norm_gram: token and cluster paths, fused calls with the output norm: the norm's sum of squares from the
         candidates' pairwise products, reduced (cluster: exchanged) with their statistics (``NORM_GRAM`` in
-        kernels/attn_res_decode.py, ``kGram`` in csrc_cuda/attn_res_cluster.cu), not over the mix after it; on the
+        kernels/attn_res_decode.py, ``kGram`` in csrc_cuda/attn_res_cluster_kernel.h), not over the mix after it; on the
         token path where the plan's tiles have at most 4 rows (a one-tile plan at K <= 4, loops of 1, 2 or 4 rows),
         else as without it; a cluster plan's fallback takes its own. The mix, new_prefix and the snapshot are the
         same bits; the norm's sum of squares is the FP32 mix's, not the rounded mix's (within the norm's
@@ -379,7 +379,7 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     #   memory (prefetch 0: Triton's pipeliner, cp.async, 3 stages) rather than registers (prefetch 1): 0.919 /
     #   0.826 of copy bandwidth at T = 16384 (K = 1 / 8) against 0.83 / 0.79, and the fused op, which shares the
     #   plan, spills 80-132 bytes pipelined (triton 3.6-3.9) against ~1 KB with prefetch 1 (tools/ptxas_info.py).
-    # - The cluster kernel (csrc_cuda/attn_res_cluster.cu) for K = 5..8 up to 64 tokens, K = 3..4 up to 32 and
+    # - The cluster kernel (csrc_cuda/attn_res_cluster_kernel.h) for K = 5..8 up to 64 tokens, K = 3..4 up to 32 and
     #   K = 2 up to 16, for the plain op and every fused call on 16-byte rows (so that a fused call's mix is the plain
     #   op's bit for bit); other layouts take the entry the table had before it (``fallback``). Same run
     #   (tools/plan_variants.py cluster_table and cluster_wide, docs/data/cluster_table_*), against those entries:
@@ -525,7 +525,7 @@ CLUSTER_FALLBACK_CONFIG = LaunchConfig(kernel="token", rows_per_tile=4, num_warp
 
 
 def cluster_supported(K: int, H: int, device: torch.device, cluster_size: int, element_size: int = 2) -> bool:
-    """Whether the cluster kernel (csrc_cuda/attn_res_cluster.cu), or with cluster_size 1 the streaming kernel
+    """Whether the cluster kernel (csrc_cuda/attn_res_cluster_kernel.h), or with cluster_size 1 the streaming kernel
     (csrc_cuda/attn_res_stream.cu), can run this shape on ``device``: a CUDA build of k3_ops._C, a GPU of compute
     capability 9.0+, 16-bit rows, K <= 8 and H a multiple of 8 x cluster_size (streaming: of 8 x 1, 2, 4, 7 or 8,
     at most 128 threads). The layout (unit hidden strides, 16-byte aligned rows) is checked per call."""

@@ -1,0 +1,11 @@
+// The cluster forward's variants with 2 CTAs per token (attn_res_cluster_kernel.h): a translation unit of their
+// own, so that the build compiles the three cluster sizes' variants in parallel.
+#include "attn_res_cluster_kernel.h"
+
+namespace k3_ops::cuda {
+
+cudaError_t launch_cluster_fwd_cs2(const ClusterFwdArgs& args, int threads, bool pdl, cudaStream_t stream) {
+  return launch_for_cluster_size<2>(args, threads, pdl, stream);
+}
+
+}  // namespace k3_ops::cuda
