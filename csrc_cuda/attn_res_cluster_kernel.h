@@ -46,6 +46,7 @@
 #include <type_traits>
 
 #include "attn_res_vec.h"
+#include "launch_config.h"
 #include "warp_reduce.h"
 
 namespace k3_ops::cuda {
@@ -394,20 +395,10 @@ cudaError_t launch(const ClusterFwdArgs& args, int threads, bool pdl, cudaStream
   const ClusterKernel kernel = !fused ? pick_kernel<IO, NW, PW, CS, false, false>(args.K)
                                : gram ? pick_kernel<IO, NW, PW, CS, true, true>(args.K)
                                       : pick_kernel<IO, NW, PW, CS, true, false>(args.K);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(args.T * CS));
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = CS;
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = 1;
-  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[1].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  config.attrs = attrs;
-  config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, kernel, args);
+  return LaunchConfig(dim3(static_cast<unsigned>(args.T * CS)), dim3(static_cast<unsigned>(threads)), 0, stream)
+      .cluster(CS)
+      .pdl(pdl)
+      .launch(kernel, args);
 }
 
 // The call's weight dtypes, for the cluster size of the translation unit that includes this header.

@@ -26,6 +26,7 @@
 
 #include "attn_res_cluster.h"
 #include "attn_res_vec.h"
+#include "launch_config.h"
 
 namespace k3_ops::cuda {
 namespace {
@@ -394,17 +395,9 @@ cudaError_t launch(const ClusterFwdArgs& args, int slots, bool pdl, cudaStream_t
     if (dev < kMaxDevices) raised[dev] = smem;
   }
   const int64_t grid = std::min<int64_t>(args.T, kStreamCtasPerSm * device_attribute(cudaDevAttrMultiProcessorCount));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(grid));
-  config.blockDim = dim3(kStreamThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attrs[1];
-  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  config.attrs = attrs;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args, slots);
+  return LaunchConfig(dim3(static_cast<unsigned>(grid)), dim3(kStreamThreads), smem, stream)
+      .pdl(pdl)
+      .launch(kernel, args, slots);
 }
 
 template <typename IO, bool kFused>

@@ -54,6 +54,7 @@ _CUDA = r"""
 #include <torch/extension.h>
 
 #include "attn_res_vec.h"
+#include "launch_config.h"
 
 namespace cg = cooperative_groups;
 using namespace k3_ops::cuda::device;
@@ -202,23 +203,16 @@ template <int MODE, bool kBatched>
 void launch(const torch::Tensor& prefix, const torch::Tensor& blocks, const torch::Tensor& nw, const torch::Tensor& pw,
             torch::Tensor& out, int K, double eps) {
   const int T = static_cast<int>(prefix.size(0)), H = static_cast<int>(prefix.size(1));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(T * kCS));
-  config.blockDim = dim3(static_cast<unsigned>((H / 8 / kCS + 31) / 32 * 32));
-  config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attrs[2];
-  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[0].val.programmaticStreamSerializationAllowed = 1;
-  attrs[1].id = cudaLaunchAttributeClusterDimension;
-  attrs[1].val.clusterDim.x = kCS;
-  attrs[1].val.clusterDim.y = 1;
-  attrs[1].val.clusterDim.z = 1;
-  config.attrs = attrs;
-  config.numAttrs = MODE == 3 ? 1 : 2;
+  // MODE 3 runs the same kernel without clusters (its rank and token still read from blockIdx.x).
+  k3_ops::cuda::LaunchConfig config(dim3(static_cast<unsigned>(T * kCS)),
+                                    dim3(static_cast<unsigned>((H / 8 / kCS + 31) / 32 * 32)), 0,
+                                    at::cuda::getCurrentCUDAStream());
+  config.pdl(true);
+  if (MODE != 3) config.cluster(kCS);
   auto bf = [](const torch::Tensor& x) { return reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()); };
-  cudaError_t err = cudaLaunchKernelEx(&config, probe_kernel<MODE, kBatched>, bf(prefix), bf(blocks), bf(nw),
-                                       bf(pw), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), K, H,
-                                       prefix.stride(0), blocks.stride(0), blocks.stride(1), static_cast<float>(eps));
+  cudaError_t err = config.launch(probe_kernel<MODE, kBatched>, bf(prefix), bf(blocks), bf(nw), bf(pw),
+                                  reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), K, H, prefix.stride(0),
+                                  blocks.stride(0), blocks.stride(1), static_cast<float>(eps));
   TORCH_CHECK(err == cudaSuccess, "cluster probe launch: ", cudaGetErrorString(err));
 }
 

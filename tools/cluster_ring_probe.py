@@ -77,6 +77,7 @@ _KERNELS = r"""
 #include <cstdint>
 
 #include "attn_res_vec.h"
+#include "launch_config.h"
 #include "warp_reduce.h"
 
 namespace ring_probe {
@@ -375,18 +376,9 @@ const Plan& plan(int H) {
     p.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem);
   }
   if (p.err == cudaSuccess) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(CS);
-    config.blockDim = dim3(p.threads);
-    config.dynamicSmemBytes = p.smem;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = CS;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    p.err = cudaOccupancyMaxActiveClusters(&p.max_clusters, kernel, &config);
+    k3_ops::cuda::LaunchConfig config(dim3(CS), dim3(p.threads), p.smem, nullptr);
+    config.cluster(CS);
+    p.err = cudaOccupancyMaxActiveClusters(&p.max_clusters, kernel, config.get());
     if (p.err == cudaSuccess && p.max_clusters < 1) p.err = cudaErrorInvalidConfiguration;
   }
   cached = p;
@@ -401,21 +393,10 @@ cudaError_t launch(const Args& a, int factor, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
   const int64_t resident = static_cast<int64_t>(p.max_clusters) * factor;
   const int64_t clusters = a.T < resident ? a.T : resident;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(clusters * CS));
-  config.blockDim = dim3(p.threads);
-  config.dynamicSmemBytes = p.smem;
-  config.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = CS;
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = 1;
-  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attrs;
-  config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, ring_kernel<CS, S, MB, VAR, XCH>, a);
+  return k3_ops::cuda::LaunchConfig(dim3(static_cast<unsigned>(clusters * CS)), dim3(p.threads), p.smem, stream)
+      .cluster(CS)
+      .pdl(true)
+      .launch(ring_kernel<CS, S, MB, VAR, XCH>, a);
 }
 
 // Registers, local memory (spills), static and dynamic shared memory, resident clusters.
