@@ -247,6 +247,14 @@ def cluster_gram(T: int, K: int, fused_call: bool) -> cuda.LaunchConfig | None:
 
 CLUSTER_GRAM = {"table": TABLE, "cluster_gram": variant(cluster_gram), "table_again": TABLE}
 
+#: kGram where the H100 run of norm_gram_cluster had it faster (K <= 4, T <= 16; then K = 2 and 4 only: slower at
+#: K = 3), the table elsewhere.
+CLUSTER_GRAM_SMALL = {"table": TABLE, "cluster_gram_small": variant(lambda T, K, f: cluster_gram(T, K, f)
+                                                                    if K <= 4 and T <= 16 else None),
+                      "cluster_gram_k24": variant(lambda T, K, f: cluster_gram(T, K, f)
+                                                  if K in (2, 4) and T <= 16 else None),
+                      "table_again": TABLE}
+
 NORM_GRAM = {"table": TABLE, "gram": norm_gram("table"), "cluster_fallback": norm_gram("fallback"),
              "cluster_fallback_gram": norm_gram("fallback_gram"), "table_again": TABLE}
 
@@ -312,6 +320,8 @@ SECTIONS = {
                          "table_again": TABLE}, dict(tokens=[1, 8, 64, 512]), (layer,)),
     "norm_gram_cluster": (CLUSTER_GRAM, dict(tokens=[1, 8, 16, 32, 64], blocks=[2, 4, 5, 8]), (fused,)),
     "layer_norm_gram_cluster": (CLUSTER_GRAM, dict(tokens=[1, 8, 64]), (layer,)),
+    "norm_gram_cluster_small": (CLUSTER_GRAM_SMALL, dict(tokens=[1, 2, 4, 8, 16], blocks=[2, 3, 4]), (fused,)),
+    "layer_norm_gram_cluster_small": (CLUSTER_GRAM_SMALL, dict(tokens=[1, 8, 64]), (layer,)),
     "stream_edges": ({"table": TABLE, "rows": variant(lambda T, K, f: rows_kernel(4, 2, 3)),
                       "stream": variant(lambda T, K, f: STREAM)},
                      dict(tokens=[2048, 8192], blocks=[2, 5, 8]), (mix, fused)),
