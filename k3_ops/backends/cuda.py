@@ -199,7 +199,7 @@ class LaunchConfig:
     num_stages: token path, and rows path with prefetch 0: software-pipelining depth of the row loads (each stage
         past the first holds a tile in shared memory: (num_stages - 1) x rows_per_tile x next_pow2(H) x itemsize
         bytes on the token path, which must fit the device's opt-in, 227 KB on an H200).
-    pdl: token and rows paths: programmatic dependent launch; None = ``pdl_enabled(device)``.
+    pdl: token, rows, cluster and stream paths: programmatic dependent launch; None = ``pdl_enabled(device)``.
     ctas_per_sm: rows path only, persistent programs per SM (the grid is min(T, SMs x ctas_per_sm)).
     tokens_per_prog: tiles path only, tokens handled by one program.
     chunk: split path only, hidden elements per program (power of two).
@@ -468,7 +468,7 @@ class _Plan:
     prefix_first: bool = False  # token with a loop: the prefix candidate folded before the block rows
     norm_gram: bool = False  # token (tiles of at most 4 rows), cluster: the norm's sum of squares from the statistics
     gram_tau: float = 0.0  # with norm_gram: its guard (LaunchConfig.gram_tau)
-    pdl: bool = False  # token, rows
+    pdl: bool = False  # token, rows, cluster, stream
     tokens_per_prog: int = 1  # tiles
     ctas_per_sm: int = 0  # rows
     chunk: int = 0  # split
