@@ -107,48 +107,11 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// The transaction-barrier exchange (XCH 1): each value is a remote st.async that completes bytes on the receiving
-// CTA's mbarrier, so the receiver waits on its own barrier for exactly the bytes it expects, and no fence orders the
-// sender's other memory operations (a barrier.cluster.arrive.release does: it is a MEMBAR over every earlier load
-// and store, the previous token's output stores and the next token's prefetch included).
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ uint32_t map_rank(uint32_t addr, int rank) {
-  uint32_t out;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
-  return out;
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void st_async_f32(uint32_t remote_addr, float value, uint32_t remote_bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];" ::"r"(remote_addr),
-               "r"(__float_as_uint(value)), "r"(remote_bar)
-               : "memory");
-}
-// Spins until the barrier's phase of this parity completed; traps after about 2^26 polls, so a lost transaction
-// fails the probe's process instead of hanging the device.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  const uint32_t addr = smem_u32(bar);
-  for (uint32_t polls = 0;; ++polls) {
-    uint32_t done;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-    if (done) return;
-    if (polls > (1u << 26)) __trap();
-  }
-}
+// The transaction-barrier exchange (XCH 1) through attn_res_vec.h's helpers (smem_u32, map_rank, mbar_*,
+// st_async_f32): each value is a remote st.async that completes bytes on the receiving CTA's mbarrier, so the
+// receiver waits on its own barrier for exactly the bytes it expects, and no fence orders the sender's other memory
+// operations (a barrier.cluster.arrive.release does: it is a MEMBAR over every earlier load and store, the previous
+// token's output stores and the next token's prefetch included).
 
 constexpr int threads_for(int CS) { return CS == 8 ? 128 : 256; }
 
