@@ -31,6 +31,8 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
 - cluster_blocks: the table alone at the cluster kernel's shapes, T = 1..64, K = 2, 4..8; run from two builds
   side by side, it times a kernel change (the variant per block count) against the kernel before it.
 - layer_table: the layer schedule with the table alone, T = 1, 8, 64, 512 (the same use).
+- layer_decode: the layer schedule with the table alone at T = 1, 8, 64: one build's side of an A/B of two builds
+  timed in turn.
 - cluster_k12: the cluster kernel (8 or 4 CTAs per token, its 2-block variant) at K = 1 and 2 up to 32 tokens beside
   the table, plain and fused.
 - one_tile_w16: the one-tile plan with 16 warps (16 columns per thread, not 32) where the table runs it with 8 at
@@ -292,6 +294,8 @@ SECTIONS = {
     "cluster_blocks": ({"table": TABLE}, dict(tokens=[1, 2, 4, 8, 16, 32, 64], blocks=[2, 4, 5, 6, 7, 8]),
                        (mix, fused)),
     "layer_table": ({"table": TABLE}, dict(tokens=[1, 8, 64, 512]), (layer,)),
+    # The decode sizes only, for A/B builds timed in turn (each build's own table).
+    "layer_decode": ({"table": TABLE}, dict(tokens=[1, 8, 64]), (layer,)),
     "cluster_k12": ({"table": TABLE, **{f"cluster{n}": cluster_everywhere(n, 32) for n in (8, 4)}},
                     dict(tokens=[1, 2, 4, 8, 12, 16, 24, 32], blocks=[1, 2]), (mix, fused)),
     "one_tile_w16": ({"table": TABLE, "one_tile_w16": variant(lambda T, K, f: one_tile_w16(T, K))},
