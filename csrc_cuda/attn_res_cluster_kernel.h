@@ -46,7 +46,7 @@
 #include <type_traits>
 
 #include "attn_res_vec.h"
-#include "launch_config.h"
+#include "kernel_launch.h"
 #include "warp_reduce.h"
 
 namespace k3_ops::cuda {
@@ -395,7 +395,7 @@ cudaError_t launch(const ClusterFwdArgs& args, int threads, bool pdl, cudaStream
   const ClusterKernel kernel = !fused ? pick_kernel<IO, NW, PW, CS, false, false>(args.K)
                                : gram ? pick_kernel<IO, NW, PW, CS, true, true>(args.K)
                                       : pick_kernel<IO, NW, PW, CS, true, false>(args.K);
-  return LaunchConfig(dim3(static_cast<unsigned>(args.T * CS)), dim3(static_cast<unsigned>(threads)), 0, stream)
+  return KernelLaunch(dim3(static_cast<unsigned>(args.T * CS)), dim3(static_cast<unsigned>(threads)), 0, stream)
       .cluster(CS)
       .pdl(pdl)
       .launch(kernel, args);

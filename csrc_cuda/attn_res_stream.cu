@@ -26,7 +26,7 @@
 
 #include "attn_res_cluster.h"
 #include "attn_res_vec.h"
-#include "launch_config.h"
+#include "kernel_launch.h"
 
 namespace k3_ops::cuda {
 namespace {
@@ -395,7 +395,7 @@ cudaError_t launch(const ClusterFwdArgs& args, int slots, bool pdl, cudaStream_t
     if (dev < kMaxDevices) raised[dev] = smem;
   }
   const int64_t grid = std::min<int64_t>(args.T, kStreamCtasPerSm * device_attribute(cudaDevAttrMultiProcessorCount));
-  return LaunchConfig(dim3(static_cast<unsigned>(grid)), dim3(kStreamThreads), smem, stream)
+  return KernelLaunch(dim3(static_cast<unsigned>(grid)), dim3(kStreamThreads), smem, stream)
       .pdl(pdl)
       .launch(kernel, args, slots);
 }

@@ -54,7 +54,7 @@ _CUDA = r"""
 #include <torch/extension.h>
 
 #include "attn_res_vec.h"
-#include "launch_config.h"
+#include "kernel_launch.h"
 
 namespace cg = cooperative_groups;
 using namespace k3_ops::cuda::device;
@@ -204,7 +204,7 @@ void launch(const torch::Tensor& prefix, const torch::Tensor& blocks, const torc
             torch::Tensor& out, int K, double eps) {
   const int T = static_cast<int>(prefix.size(0)), H = static_cast<int>(prefix.size(1));
   // MODE 3 runs the same kernel without clusters (its rank and token still read from blockIdx.x).
-  k3_ops::cuda::LaunchConfig config(dim3(static_cast<unsigned>(T * kCS)),
+  k3_ops::cuda::KernelLaunch config(dim3(static_cast<unsigned>(T * kCS)),
                                     dim3(static_cast<unsigned>((H / 8 / kCS + 31) / 32 * 32)), 0,
                                     at::cuda::getCurrentCUDAStream());
   config.pdl(true);

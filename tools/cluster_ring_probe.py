@@ -77,7 +77,7 @@ _KERNELS = r"""
 #include <cstdint>
 
 #include "attn_res_vec.h"
-#include "launch_config.h"
+#include "kernel_launch.h"
 #include "warp_reduce.h"
 
 namespace ring_probe {
@@ -339,7 +339,7 @@ const Plan& plan(int H) {
     p.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem);
   }
   if (p.err == cudaSuccess) {
-    k3_ops::cuda::LaunchConfig config(dim3(CS), dim3(p.threads), p.smem, nullptr);
+    k3_ops::cuda::KernelLaunch config(dim3(CS), dim3(p.threads), p.smem, nullptr);
     config.cluster(CS);
     p.err = cudaOccupancyMaxActiveClusters(&p.max_clusters, kernel, config.get());
     if (p.err == cudaSuccess && p.max_clusters < 1) p.err = cudaErrorInvalidConfiguration;
@@ -356,7 +356,7 @@ cudaError_t launch(const Args& a, int factor, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
   const int64_t resident = static_cast<int64_t>(p.max_clusters) * factor;
   const int64_t clusters = a.T < resident ? a.T : resident;
-  return k3_ops::cuda::LaunchConfig(dim3(static_cast<unsigned>(clusters * CS)), dim3(p.threads), p.smem, stream)
+  return k3_ops::cuda::KernelLaunch(dim3(static_cast<unsigned>(clusters * CS)), dim3(p.threads), p.smem, stream)
       .cluster(CS)
       .pdl(true)
       .launch(ring_kernel<CS, S, MB, VAR, XCH>, a);

@@ -1,6 +1,7 @@
-// The launch configuration of k3_ops's CUDA C++ kernels and of the probes in tools/ that build beside them:
-// cudaLaunchKernelEx's config with the two attributes they use, a thread-block cluster along x and programmatic
-// dependent launch (PDL). Host code only; plain CUDA runtime types.
+// How k3_ops's CUDA C++ kernels and the probes in tools/ that build beside them are launched: cudaLaunchKernelEx
+// with the two attributes they use, a thread-block cluster along x and programmatic dependent launch (PDL). Host
+// code only; plain CUDA runtime types. (Not the launch table's k3_ops.backends.cuda.LaunchConfig, which picks the
+// kernel and its plan.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,20 +11,20 @@
 namespace k3_ops::cuda {
 
 // config.attrs points into this object, so it is neither copied nor moved: build it where it launches.
-class LaunchConfig {
+class KernelLaunch {
  public:
-  LaunchConfig(dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream) {
+  KernelLaunch(dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream) {
     config_.gridDim = grid;
     config_.blockDim = block;
     config_.dynamicSmemBytes = dynamic_smem;
     config_.stream = stream;
     config_.attrs = attrs_;
   }
-  LaunchConfig(const LaunchConfig&) = delete;
-  LaunchConfig& operator=(const LaunchConfig&) = delete;
+  KernelLaunch(const KernelLaunch&) = delete;
+  KernelLaunch& operator=(const KernelLaunch&) = delete;
 
   // Clusters of `size` CTAs along x (the grid's x a multiple of it).
-  LaunchConfig& cluster(unsigned size) {
+  KernelLaunch& cluster(unsigned size) {
     cudaLaunchAttribute& a = attrs_[config_.numAttrs++];
     a.id = cudaLaunchAttributeClusterDimension;
     a.val.clusterDim.x = size;
@@ -33,7 +34,7 @@ class LaunchConfig {
   }
   // Programmatic stream serialization: with `allowed`, the kernel may start before its predecessor in the stream
   // has finished, and waits for it with griddepcontrol.wait (cudaGridDependencySynchronize) before reading its data.
-  LaunchConfig& pdl(bool allowed) {
+  KernelLaunch& pdl(bool allowed) {
     cudaLaunchAttribute& a = attrs_[config_.numAttrs++];
     a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     a.val.programmaticStreamSerializationAllowed = allowed ? 1 : 0;
