@@ -20,6 +20,8 @@ export PYTHONUNBUFFERED=1 K3_OPS_COMMIT=${K3_OPS_COMMIT:-unknown}
 OUT=$(realpath -m "${OUT:-ab_out}"); R=$OUT/r; mkdir -p $R
 t0=$SECONDS
 A=$(pwd)
+# Each stage leaves its results packed, so a call cut off at its time limit still brings back what had run.
+snap() { tar czf $OUT/r.tgz -C $OUT r; }
 python3 -m pip install -q --no-index --no-deps --target /tmp/k3_site .whl/*.whl >/dev/null 2>&1
 side() { case $1 in a) echo $A ;; b) echo /tmp/side_b ;; c) echo /tmp/side_c ;; esac; }
 for s in b c; do
@@ -42,7 +44,7 @@ for s in ${ORDER:-a b c c b a}; do
   n=$((n + 1)); D=$(side $s)
   PYTHONPATH=/tmp/k3_site timeout ${PT:-120} python3 $D/tools/fused_parts.py --tokens ${TOK:-1,64} --blocks ${BLK:-2,4,8} --out $R/parts_${n}_$s 2>&1 | grep "^fused_parts" | sed "s/^/$s /"
   PYTHONPATH=/tmp/k3_site timeout ${PT:-120} python3 $D/tools/plan_variants.py layer_decode --out $R/layer_${n}_$s 2>&1 | grep "^layer_decode" | sed "s/^/$s /"
-  echo "--- $n $s done at $((SECONDS - t0)) s"
+  echo "--- $n $s done at $((SECONDS - t0)) s"; snap
 done
 # EXTRA: plan_variants sections timed on a and c after the rest (e.g. cluster_k12: the cluster kernel at K = 1..2,
 # where the table runs the one-tile plan at K = 1: does the cheaper exchange bring it under the fused T = 1, K = 1
@@ -61,4 +63,4 @@ if [ "${TESTS:-1}" = 1 ]; then
   wait
 fi
 rm -f $R/build_*.log
-tar czf $OUT/r.tgz -C $OUT r
+snap
