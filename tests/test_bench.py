@@ -155,8 +155,9 @@ def _floor_truth(rows: torch.Tensor, programs: int, block: int, eps: float, norm
 
 # Tile geometry: T = 3 splits a token over 8 programs (no exchange between them), T = 20 takes one program per
 # token. Stream geometry: a token's columns over several programs at every T (H = 1000 in pieces of 256 columns:
-# 4 programs, the last one's columns partly masked), the prefix apart from the block rows' tile.
-@pytest.mark.parametrize("geometry", ["tile", "stream"])
+# 4 programs, the last one's columns partly masked), the prefix apart from the block rows' tile. Row geometry: one
+# program per token over next_pow2(H) columns (H = 1000: the last 24 masked), the rows one at a time.
+@pytest.mark.parametrize("geometry", ["tile", "stream", "row"])
 @pytest.mark.parametrize("T", [3, 20], ids=lambda T: f"T{T}")
 @pytest.mark.parametrize("K", [0, 2, 8], ids=lambda K: f"K{K}")
 def test_floor_kernel_reads_every_row_and_stores_what_the_call_stores(device, T, K, geometry, monkeypatch):
@@ -188,6 +189,8 @@ def test_floor_kernel_reads_every_row_and_stores_what_the_call_stores(device, T,
     rows_, programs, block, _ = floor._geometry(T, K, H, geometry)
     if geometry == "tile":
         assert programs == (8 if T <= floor.SPLIT_MAX_T else 1)
+    elif geometry == "row":
+        assert (programs, block, rows_) == (1, 1024, 1)
     else:  # the block rows alone in the tile; the columns cover H
         assert (programs, block, rows_) == (4, 256, max(1, K))
     candidates = torch.cat([before[:, :K], new_prefix[:, None]], 1).cpu()

@@ -17,6 +17,12 @@ from 32 tokens on, where it bounds nothing. ``stream`` (the column ``floor_strea
 many small 4-warp programs (at most 32 FP32 values per thread; 28 programs per token at K = 8, H = 7168), so
 many tiles are in flight on every SM and the bytes, not a program's chain, set the time: the floor under the
 bandwidth-bound shapes, where graph replay may still serve rows from L2 faster than the copy bandwidth.
+
+A third geometry, ``row`` (not a bench column; tools/floor_rows.py times it): one program per token walking its
+rows one at a time, the prefix first, through a software-pipelined loop (``ROW_WARPS`` warps, ``ROW_STAGES``
+stages), each row's reduction before its contribution to the output: the floor under the launch table's one-row
+plans (one program per token, one row at a time), which neither of the others bounds at K = 8 from 64 tokens (the
+tile floor's padded tile is slower than the op there, and the stream floor splits a token without its exchange).
 """
 from __future__ import annotations
 
@@ -26,15 +32,18 @@ import triton.language as tl
 
 from ..kernels.attn_res_fwd import gdc_launch_dependents_if, gdc_wait_if
 
-__all__ = ["mix_floor", "fused_floor", "mix_floor_stream", "fused_floor_stream", "GEOMETRIES"]
+__all__ = ["mix_floor", "fused_floor", "mix_floor_stream", "fused_floor_stream", "mix_floor_row", "fused_floor_row",
+           "GEOMETRIES"]
 
-GEOMETRIES = ("tile", "stream")
+GEOMETRIES = ("tile", "stream", "row")
 #: Tokens up to which the tile geometry splits a token over SPLIT programs.
 SPLIT_MAX_T = 16
 SPLIT = 8
 _MAX_TILE = 16 * 32 * 64  # 16 warps x 64 values
 #: Columns and warps per program of the stream geometry (8 values of each of up to 8 block rows per thread).
 STREAM_BLOCK, STREAM_WARPS = 1024, 4
+#: Warps per program and pipeline stages of the row geometry (the table's one-row plan: 4 warps, 3 stages).
+ROW_WARPS, ROW_STAGES = 4, 3
 
 
 @triton.jit
@@ -104,12 +113,45 @@ def _floor_stream_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix
     tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _floor_row_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix_ptr, stride_pt, stride_at, stride_bt,
+                      stride_bc, H, write_idx, eps, K, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                      HAS_ADDEND: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr, PROGRAMS: tl.constexpr,
+                      STAGES: tl.constexpr):
+    # The same work as _floor_kernel, one program per token and one row at a time: the prefix (and addend) first,
+    # then the K block rows through a loop whose loads the compiler pipelines STAGES deep. Each row is reduced
+    # before it is added to the output, as a one-pass kernel must (its weight needs the whole row's sum). K is a
+    # runtime argument, as the op's: one compiled kernel per form serves every site of a layer step.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    gdc_wait_if(USE_PDL)
+    gdc_launch_dependents_if(USE_PDL)
+    v = tl.load(prefix_ptr + t * stride_pt + cols, mask=mask, other=0.0)
+    if HAS_ADDEND:
+        a = tl.load(addend_ptr + t * stride_at + cols, mask=mask, other=0.0)
+        v = (v.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(new_prefix_ptr + t * H + cols, v, mask=mask)
+        if write_idx >= 0:
+            tl.store(blocks_ptr + t * stride_bt + write_idx * stride_bc + cols, v, mask=mask)
+    v = v.to(tl.float32)
+    y = v * tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
+    for i in tl.range(0, K, num_stages=STAGES):
+        x = tl.load(blocks_ptr + t * stride_bt + i * stride_bc + cols, mask=mask, other=0.0).to(tl.float32)
+        y += x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(y * y, axis=0) / H + eps)  # the output norm's reduction, after the mix
+    tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _geometry(T: int, K: int, H: int, geometry: str = "tile") -> tuple[int, int, int, int]:
     """(rows per tile, programs per token, columns per program, warps)."""
     rows = triton.next_power_of_2(K + 1)
     if geometry == "stream":  # the prefix apart: next_pow2(K) block rows; 1024 columns, 4 warps
         block = min(STREAM_BLOCK, triton.next_power_of_2(H))
         return triton.next_power_of_2(max(K, 1)), triton.cdiv(H, block), block, STREAM_WARPS
+    if geometry == "row":  # one program per token, one row of next_pow2(H) columns at a time
+        return 1, 1, triton.next_power_of_2(H), ROW_WARPS
     if geometry != "tile":
         raise ValueError(f"geometry must be one of {GEOMETRIES}, got {geometry!r}")
     programs = SPLIT if T <= SPLIT_MAX_T else 1
@@ -128,13 +170,16 @@ def _launch(prefix: torch.Tensor, addend: torch.Tensor | None, blocks: torch.Ten
     rows, programs, block, warps = _geometry(T, K, H, geometry)
     out = torch.empty((T, H), dtype=prefix.dtype, device=prefix.device)
     new_prefix = torch.empty_like(out) if addend is not None else None
-    extra = {"launch_pdl": True} if pdl_enabled(prefix.device) else {}
-    kernel = _floor_stream_kernel if geometry == "stream" else _floor_kernel
+    pdl = pdl_enabled(prefix.device)
+    extra = {"launch_pdl": True} if pdl else {}
+    kernel = {"stream": _floor_stream_kernel, "row": _floor_row_kernel}.get(geometry, _floor_kernel)
+    if geometry == "row":
+        extra["STAGES"] = ROW_STAGES
     kernel[(T * programs,)](
         prefix, addend if addend is not None else prefix, blocks, out, new_prefix if new_prefix is not None else out,
         prefix.stride(0), (addend if addend is not None else prefix).stride(0), blocks.stride(0), blocks.stride(1),
         H, write_idx, eps, K=K, ROWS=rows, BLOCK=block, HAS_ADDEND=addend is not None, NORM=norm,
-        USE_PDL=bool(extra), PROGRAMS=programs, num_warps=warps, num_stages=1, **extra)
+        USE_PDL=pdl, PROGRAMS=programs, num_warps=warps, num_stages=1, **extra)
     return out, new_prefix
 
 
@@ -158,3 +203,13 @@ def mix_floor_stream(*args):
 def fused_floor_stream(*args):
     """``fused_floor`` with the stream geometry."""
     return fused_floor(*args, geometry="stream")
+
+
+def mix_floor_row(*args):
+    """``mix_floor`` with the row geometry."""
+    return mix_floor(*args, geometry="row")
+
+
+def fused_floor_row(*args):
+    """``fused_floor`` with the row geometry."""
+    return fused_floor(*args, geometry="row")
