@@ -8,6 +8,13 @@ the tile and stream floors; then the layer step (bench.layer's schedule) with ev
 and on the stream floor, beside the op's step, at T = 64 and 512. Graph replay, bf16, H = 7168, capacity 9, NaN in
 unused slots. Usage, on the GPU machine: python tools/floor_rows.py [--out DIR] [--tokens 64,256] [--layer 64,512];
 prints one line per shape (us, and of copy bandwidth in brackets) and writes floor_rows.json.
+
+``--ladder`` times instead, for the plain op at T = 64, 256, 1024 x K = 4, 8, the row floor with the op's steps
+added one at a time, each in the row floor's form with 4 and 8 warps (3 stages): ``l0`` the row floor's plain form
+(one sum per row); ``l1`` + the folded weight and the statistics as the op takes them, one two-operand reduction per
+row (sum v^2, <v, w>), each row weighted by its score, no softmax; ``l2`` + the online softmax (the running max, the
+rescale of the accumulator, the final division): the op's arithmetic without its rounding rules and masks. Beside
+them the op with the table's plan and with the one-row plan at 8 warps, 3 stages. Writes floor_ladder.json.
 """
 from __future__ import annotations
 
@@ -17,10 +24,14 @@ import sys
 from functools import partial
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 from k3_ops.bench import common, floor, layer  # noqa: E402
 from k3_ops.bench.timing import Timer  # noqa: E402
+from k3_ops.kernels.attn_res_fwd import _sum_pair  # noqa: E402
 
 FORMS = [(warps, stages) for warps in (4, 8) for stages in (1, 2, 3)]
 
@@ -33,8 +44,101 @@ def _form(warps: int, stages: int) -> str:
     return f"row_w{warps}_s{stages}"
 
 
+@triton.jit
+def _ladder_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, stride_pt, stride_bt, stride_bc, H, eps, K,
+                   BLOCK: tl.constexpr, LEVEL: tl.constexpr, STAGES: tl.constexpr):
+    # The row floor (LEVEL 0) with the op's per-row steps added (module docstring); PDL as the floor's.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+    w = tl.zeros([BLOCK], tl.float32)
+    if LEVEL >= 1:
+        w = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(
+            pw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(prefix_ptr + t * stride_pt + cols, mask=mask, other=0.0).to(tl.float32)
+    if LEVEL == 0:
+        acc = v * tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
+    else:
+        ss, d = tl.reduce((v * v, v * w), 0, _sum_pair)
+        if LEVEL == 1:
+            acc = v * (tl.rsqrt(ss / H + eps) * d)
+        else:  # the prefix first: its weight exp(0) = 1, the running max its score
+            m = tl.rsqrt(ss / H + eps) * d
+            acc = v
+            total = 1.0
+    for i in tl.range(0, K, num_stages=STAGES):
+        x = tl.load(blocks_ptr + t * stride_bt + i * stride_bc + cols, mask=mask, other=0.0).to(tl.float32)
+        if LEVEL == 0:
+            acc += x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+        else:
+            ss, d = tl.reduce((x * x, x * w), 0, _sum_pair)
+            score = tl.rsqrt(ss / H + eps) * d
+            if LEVEL == 1:
+                acc += x * score
+            else:
+                m_new = tl.maximum(m, score)
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(score - m_new)
+                acc = acc * alpha + p * x
+                total = total * alpha + p
+                m = m_new
+    if LEVEL == 2:
+        acc = acc / total
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _ladder(level: int, warps: int):
+    def call(prefix, blocks, nw, pw, K, eps):
+        T, H = prefix.shape
+        out = torch.empty_like(prefix)
+        _ladder_kernel[(T,)](prefix, blocks, nw, pw, out, prefix.stride(0), blocks.stride(0), blocks.stride(1), H,
+                             eps, K, BLOCK=triton.next_power_of_2(H), LEVEL=level, STAGES=3, num_warps=warps,
+                             num_stages=1, launch_pdl=True)
+        return out
+    return call
+
+
+def ladder(out_dir: str) -> None:
+    import plan_variants  # the op with a forced plan (tools/plan_variants.py)
+
+    timer = Timer("cuda", rep_ms=10.0)
+    limits = timer.limits()
+    bw = limits["copy_bandwidth_Bps"]
+    H, cap = 7168, 9
+    impls = {"k3_ops": common.k3_ops_ops().attn_res,
+             "op_w8_s3": plan_variants.variant(lambda T, K, f: plan_variants.token(1, 8, 3, True)).attn_res}
+    impls.update({f"l{level}_w{warps}": _ladder(level, warps) for level in (0, 1, 2) for warps in (4, 8)})
+    rows = []
+    problem = common.Problem(1024, cap, H, torch.bfloat16, torch.device("cuda"), "token")
+    with torch.inference_mode():
+        for K in (4, 8):
+            problem.poison(K)
+            for T in (64, 256, 1024):
+                args = problem.attn_res_args(T, K)
+                nbytes = common.bytes_moved(T, H, 2, K + 1, 1)
+                row = {"T": T, "K": K, "bytes": nbytes}
+                for name, fn in impls.items():
+                    if not bool(torch.isfinite(fn(*args)).all()):
+                        row.setdefault("non_finite", []).append(name)
+                    row["us:" + name] = timer.primary(partial(fn, *args))
+                row["us:k3_ops_again"] = timer.primary(partial(impls["k3_ops"], *args))
+                rows.append(row)
+                print(f"ladder T={T} K={K} " + " ".join(
+                    f"{k[3:]}={v:.2f}({nbytes / (v * 1e-6) / bw:.2f})" for k, v in row.items()
+                    if k.startswith("us:")), flush=True)
+            problem.restore(K)
+    with open(os.path.join(out_dir, "floor_ladder.json"), "w") as f:
+        json.dump({"environment": common.environment(torch.device("cuda")), "limits": limits, "rows": rows}, f,
+                  indent=1)
+
+
 def main() -> None:
     out_dir = _arg("--out", ".")
+    if "--ladder" in sys.argv:
+        os.makedirs(out_dir, exist_ok=True)
+        return ladder(out_dir)
     tokens = [int(t) for t in _arg("--tokens", "64,256,512,1024,8192").split(",")]
     layer_tokens = [int(t) for t in _arg("--layer", "64,512").split(",") if t]
     os.makedirs(out_dir, exist_ok=True)
