@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The cluster kernel's exchanges through transaction barriers, timed against the kernel as committed: three builds
-# side by side in one device call (not yet run; the patches apply to the commit that added them and fail loudly on a
-# tree they no longer fit).
+# side by side in one device call (timed on the H200 at e69d6f0: both slower, docs/benchmarks.md, "Where the fused
+# call's time over the plain op goes"; the patches apply to the commit that added them and fail loudly on a tree
+# they no longer fit).
 #   a: this tree, built in place;
 #   b: + norm_tx.patch: the output norm's exchange as one sum per warp, each a remote st.async counted by the
 #      receiver's mbarrier: no CTA barrier before it, no release fence in it (docs/benchmarks.md, "Where the fused
