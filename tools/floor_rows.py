@@ -15,6 +15,14 @@ added one at a time, each in the row floor's form with 4 and 8 warps (3 stages):
 row (sum v^2, <v, w>), each row weighted by its score, no softmax; ``l2`` + the online softmax (the running max, the
 rescale of the accumulator, the final division): the op's arithmetic without its rounding rules and masks. Beside
 them the op with the table's plan and with the one-row plan at 8 warps, 3 stages. Writes floor_ladder.json.
+
+``--tile-ladder`` does the same in the one-tile plan's geometry (one program per token, 8 warps, the K block rows in
+one [next_pow2(K), next_pow2(H)] tile loaded at once and the prefix apart), where the table runs K <= 4 up to 256
+tokens: ``t0`` the tile floor in that layout (one sum per row), ``t1`` + the folded weight in two-operand
+reductions (the tile's and the prefix's), each row weighted by its score, ``t2`` + the softmax over the K + 1
+scores; for the fused call each also adds the addend, the new prefix and snapshot stores and, from ``t0``, the
+output norm's reduction with its weight (``t0`` without the weight). Plain op at T = 1, 64, 256 x K = 1, 4, fused
+call at T = 1, 64 x K = 1, 4, beside the op. Writes floor_tile_ladder.json.
 """
 from __future__ import annotations
 
@@ -89,6 +97,108 @@ def _ladder_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, stride_pt, s
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _tile_ladder_kernel(prefix_ptr, addend_ptr, blocks_ptr, nw_ptr, pw_ptr, onw_ptr, out_ptr, new_prefix_ptr,
+                        stride_pt, stride_at, stride_bt, stride_bc, H, eps, K, write_idx, ROWS: tl.constexpr,
+                        BLOCK: tl.constexpr, LEVEL: tl.constexpr, FUSED: tl.constexpr):
+    # The one-tile geometry with the op's steps added (module docstring); PDL as the floor's.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    rows = tl.arange(0, ROWS)
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+    tile_mask = (rows[:, None] < K) & mask[None, :]
+    x = tl.load(blocks_ptr + t * stride_bt + rows[:, None] * stride_bc + cols[None, :], mask=tile_mask, other=0.0)
+    v = tl.load(prefix_ptr + t * stride_pt + cols, mask=mask, other=0.0)
+    w = tl.zeros([BLOCK], tl.float32)
+    if LEVEL >= 1:
+        w = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(
+            pw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if FUSED:
+        a = tl.load(addend_ptr + t * stride_at + cols, mask=mask, other=0.0)
+        v = (v.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(new_prefix_ptr + t * H + cols, v, mask=mask)
+        if write_idx >= 0:
+            tl.store(blocks_ptr + t * stride_bt + write_idx * stride_bc + cols, v, mask=mask)
+    x = x.to(tl.float32)
+    v = v.to(tl.float32)
+    if LEVEL == 0:
+        y = tl.sum(x * tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)[:, None], axis=0)
+        y += v * tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
+    else:
+        ss, d = tl.reduce((x * x, x * w[None, :]), 1, _sum_pair)
+        ss_v, d_v = tl.reduce((v * v, v * w), 0, _sum_pair)
+        score = tl.where(rows < K, tl.rsqrt(ss / H + eps) * d, -float("inf"))
+        score_v = tl.rsqrt(ss_v / H + eps) * d_v
+        if LEVEL == 1:
+            y = tl.sum(x * score[:, None], axis=0) + v * score_v
+        else:
+            m = tl.maximum(tl.max(score, axis=0), score_v)
+            p = tl.exp(score - m)
+            p_v = tl.exp(score_v - m)
+            y = (tl.sum(x * p[:, None], axis=0) + v * p_v) / (tl.sum(p, axis=0) + p_v)
+    if FUSED:
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # the norm sees the rounded mix, as the op's
+        y = y * tl.rsqrt(tl.sum(y * y, axis=0) / H + eps)
+        if LEVEL >= 1:
+            y = y * tl.load(onw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tile_ladder(level: int, fused: bool):
+    def call(*args):
+        if fused:
+            prefix, addend, blocks, nw, pw, K, eps, write, onw, _ = args
+        else:
+            (prefix, blocks, nw, pw, K, eps), addend, write, onw = args, args[0], -1, args[2]
+        T, H = prefix.shape
+        out = torch.empty_like(prefix)
+        new_prefix = torch.empty_like(prefix) if fused else out
+        _tile_ladder_kernel[(T,)](prefix, addend, blocks, nw, pw, onw, out, new_prefix, prefix.stride(0),
+                                  addend.stride(0), blocks.stride(0), blocks.stride(1), H, eps, K, write,
+                                  ROWS=triton.next_power_of_2(K), BLOCK=triton.next_power_of_2(H), LEVEL=level,
+                                  FUSED=fused, num_warps=8, num_stages=1, launch_pdl=True)
+        return (out, new_prefix) if fused else out
+    return call
+
+
+def tile_ladder(out_dir: str) -> None:
+    timer = Timer("cuda", rep_ms=10.0)
+    limits = timer.limits()
+    H, cap = 7168, 9
+    ops = common.k3_ops_ops()
+    rows = []
+    problem = common.Problem(256, cap, H, torch.bfloat16, torch.device("cuda"), "token")
+    with torch.inference_mode():
+        for K in (1, 4):
+            problem.poison(K)
+            write = K if K < cap else -1
+            for call, tokens in (("plain", (1, 64, 256)), ("fused", (1, 64))):
+                fused = call == "fused"
+                impls = {"k3_ops": ops.fused if fused else ops.attn_res,
+                         **{f"t{level}": _tile_ladder(level, fused) for level in (0, 1, 2)}}
+                for T in tokens:
+                    args = problem.fused_args(T, K, write) if fused else problem.attn_res_args(T, K)
+                    nbytes = common.bytes_moved(T, H, 2, K + 2, 2 + (write >= 0)) if fused else \
+                        common.bytes_moved(T, H, 2, K + 1, 1)
+                    row = {"call": call, "T": T, "K": K, "bytes": nbytes}
+                    for name, fn in impls.items():
+                        out = fn(*args)
+                        out = out[0] if isinstance(out, tuple) else out
+                        if not bool(torch.isfinite(out).all()):
+                            row.setdefault("non_finite", []).append(name)
+                        row["us:" + name] = timer.primary(partial(fn, *args))
+                    row["us:k3_ops_again"] = timer.primary(partial(impls["k3_ops"], *args))
+                    rows.append(row)
+                    print(f"tile_ladder {call} T={T} K={K} " + " ".join(
+                        f"{k[3:]}={v:.2f}" for k, v in row.items() if k.startswith("us:")), flush=True)
+            problem.restore(K)
+    with open(os.path.join(out_dir, "floor_tile_ladder.json"), "w") as f:
+        json.dump({"environment": common.environment(torch.device("cuda")), "limits": limits, "rows": rows}, f,
+                  indent=1)
+
+
 def _ladder(level: int, warps: int):
     def call(prefix, blocks, nw, pw, K, eps):
         T, H = prefix.shape
@@ -136,9 +246,9 @@ def ladder(out_dir: str) -> None:
 
 def main() -> None:
     out_dir = _arg("--out", ".")
-    if "--ladder" in sys.argv:
+    if "--ladder" in sys.argv or "--tile-ladder" in sys.argv:
         os.makedirs(out_dir, exist_ok=True)
-        return ladder(out_dir)
+        return ladder(out_dir) if "--ladder" in sys.argv else tile_ladder(out_dir)
     tokens = [int(t) for t in _arg("--tokens", "64,256,512,1024,8192").split(",")]
     layer_tokens = [int(t) for t in _arg("--layer", "64,512").split(",") if t]
     os.makedirs(out_dir, exist_ok=True)
