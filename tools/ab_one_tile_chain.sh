@@ -2,7 +2,8 @@
 # What the one-tile plan does beyond the simplest form of its arithmetic (docs/benchmarks.md, "The row floor": at
 # T = 64, K = 4 the op takes 3.55 us, the tile ladder's t2 3.07): two suspects, each removed in a copy of this tree
 # and timed beside it in one device call through tools/floor_rows.py --tile-ladder (whose ladder kernels are the
-# same code on every side: a drift check), in the order a b c c b a.
+# same code on every side: a drift check), in the order a b c c b a. Ran at ee7b6d8 (on an H100): neither suspect is
+# it (docs/benchmarks.md, "The op's steps on a one-tile floor").
 #   a: this tree;
 #   b: the one-tile tile's loads without the evict_first hint;
 #   c: b + the score from an approximate rsqrt instead of the correctly rounded sqrt and division (its bits differ:
