@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from functools import partial
 
 import torch
 import triton
@@ -50,6 +49,25 @@ def _arg(name: str, default: str) -> str:
 
 def _form(warps: int, stages: int) -> str:
     return f"row_w{warps}_s{stages}"
+
+
+def _in_form(fn, form: tuple[int, int]):
+    """``fn`` with the row geometry's form set each time it runs (so also while a graph captures it)."""
+    def call(*args):
+        floor.ROW_WARPS, floor.ROW_STAGES = form
+        return fn(*args)
+    return call
+
+
+def _time(timer: Timer, impls: dict, args: tuple, row: dict, bw: float, label: str) -> None:
+    """Every callable of ``impls`` on ``args`` into ``row`` (bench.common.measure: us, of BW, non-finite noted),
+    then one line of them."""
+    notes = []
+    common.measure(timer, impls, args, row, bw, False, notes, label)
+    if notes:
+        row["notes"] = notes
+    print(f"{label} " + " ".join(f"{k[3:]}={v:.2f}({row['bw:' + k[3:]]:.2f})" for k, v in row.items()
+                                 if k.startswith("us:")), flush=True)
 
 
 @triton.jit
@@ -166,6 +184,7 @@ def _tile_ladder(level: int, fused: bool):
 def tile_ladder(out_dir: str) -> None:
     timer = Timer("cuda", rep_ms=10.0)
     limits = timer.limits()
+    bw = limits["copy_bandwidth_Bps"]
     H, cap = 7168, 9
     ops = common.k3_ops_ops()
     rows = []
@@ -176,23 +195,16 @@ def tile_ladder(out_dir: str) -> None:
             write = K if K < cap else -1
             for call, tokens in (("plain", (1, 64, 256)), ("fused", (1, 64))):
                 fused = call == "fused"
-                impls = {"k3_ops": ops.fused if fused else ops.attn_res,
-                         **{f"t{level}": _tile_ladder(level, fused) for level in (0, 1, 2)}}
+                op = ops.fused if fused else ops.attn_res
+                impls = {"k3_ops": op, **{f"t{level}": _tile_ladder(level, fused) for level in (0, 1, 2)},
+                         "k3_ops_again": op}
                 for T in tokens:
                     args = problem.fused_args(T, K, write) if fused else problem.attn_res_args(T, K)
                     nbytes = common.bytes_moved(T, H, 2, K + 2, 2 + (write >= 0)) if fused else \
                         common.bytes_moved(T, H, 2, K + 1, 1)
                     row = {"call": call, "T": T, "K": K, "bytes": nbytes}
-                    for name, fn in impls.items():
-                        out = fn(*args)
-                        out = out[0] if isinstance(out, tuple) else out
-                        if not bool(torch.isfinite(out).all()):
-                            row.setdefault("non_finite", []).append(name)
-                        row["us:" + name] = timer.primary(partial(fn, *args))
-                    row["us:k3_ops_again"] = timer.primary(partial(impls["k3_ops"], *args))
+                    _time(timer, impls, args, row, bw, f"tile_ladder {call} T={T} K={K}")
                     rows.append(row)
-                    print(f"tile_ladder {call} T={T} K={K} " + " ".join(
-                        f"{k[3:]}={v:.2f}" for k, v in row.items() if k.startswith("us:")), flush=True)
             problem.restore(K)
     with open(os.path.join(out_dir, "floor_tile_ladder.json"), "w") as f:
         json.dump({"environment": common.environment(torch.device("cuda")), "limits": limits, "rows": rows}, f,
@@ -220,6 +232,7 @@ def ladder(out_dir: str) -> None:
     impls = {"k3_ops": common.k3_ops_ops().attn_res,
              "op_w8_s3": plan_variants.variant(lambda T, K, f: plan_variants.token(1, 8, 3, True)).attn_res}
     impls.update({f"l{level}_w{warps}": _ladder(level, warps) for level in (0, 1, 2) for warps in (4, 8)})
+    impls["k3_ops_again"] = impls["k3_ops"]
     rows = []
     problem = common.Problem(1024, cap, H, torch.bfloat16, torch.device("cuda"), "token")
     with torch.inference_mode():
@@ -229,15 +242,8 @@ def ladder(out_dir: str) -> None:
                 args = problem.attn_res_args(T, K)
                 nbytes = common.bytes_moved(T, H, 2, K + 1, 1)
                 row = {"T": T, "K": K, "bytes": nbytes}
-                for name, fn in impls.items():
-                    if not bool(torch.isfinite(fn(*args)).all()):
-                        row.setdefault("non_finite", []).append(name)
-                    row["us:" + name] = timer.primary(partial(fn, *args))
-                row["us:k3_ops_again"] = timer.primary(partial(impls["k3_ops"], *args))
+                _time(timer, impls, args, row, bw, f"ladder T={T} K={K}")
                 rows.append(row)
-                print(f"ladder T={T} K={K} " + " ".join(
-                    f"{k[3:]}={v:.2f}({nbytes / (v * 1e-6) / bw:.2f})" for k, v in row.items()
-                    if k.startswith("us:")), flush=True)
             problem.restore(K)
     with open(os.path.join(out_dir, "floor_ladder.json"), "w") as f:
         json.dump({"environment": common.environment(torch.device("cuda")), "limits": limits, "rows": rows}, f,
@@ -270,30 +276,18 @@ def main() -> None:
                         args = problem.attn_res_args(T, K)
                         nbytes = common.bytes_moved(T, H, 2, K + 1, 1)
                         impls = {"k3_ops": ops.attn_res, "tile": floor.mix_floor, "stream": floor.mix_floor_stream,
-                                 "row": floor.mix_floor_row}
+                                 **{_form(*f): _in_form(floor.mix_floor_row, f) for f in FORMS}}
                     else:
                         args = problem.fused_args(T, K, write)
                         nbytes = common.bytes_moved(T, H, 2, K + 2, 2 + (write >= 0))
                         impls = {"k3_ops": ops.fused, "tile": floor.fused_floor, "stream": floor.fused_floor_stream,
-                                 "row": floor.fused_floor_row}
+                                 **{_form(*f): _in_form(floor.fused_floor_row, f) for f in FORMS}}
                     row = {"call": call, "T": T, "K": K, "bytes": nbytes}
-                    for name, fn in impls.items():
-                        forms = FORMS if name == "row" else [None]
-                        for form in forms:
-                            if form is not None:
-                                floor.ROW_WARPS, floor.ROW_STAGES = form
-                            out = fn(*args)
-                            out = out[0] if isinstance(out, tuple) else out
-                            if not bool(torch.isfinite(out).all()):
-                                row.setdefault("non_finite", []).append(name)
-                            row["us:" + (_form(*form) if form else name)] = timer.primary(partial(fn, *args))
+                    _time(timer, impls, args, row, bw, f"{call} T={T} K={K}")
                     floor.ROW_WARPS, floor.ROW_STAGES = default
                     best = min(FORMS, key=lambda f: row["us:" + _form(*f)])
                     row["row_best"], row["us:row"] = _form(*best), row["us:" + _form(*best)]
                     rows.append(row)
-                    print(f"{call} T={T} K={K} " + " ".join(
-                        f"{k[3:]}={v:.2f}({nbytes / (v * 1e-6) / bw:.2f})" for k, v in row.items()
-                        if k.startswith("us:")), flush=True)
             problem.restore(K)
     del problem
     steps = []
@@ -304,9 +298,8 @@ def main() -> None:
                    "us:k3_ops": timer.primary(lambda s=step: s.run(ops.fused, ops.attn_res)),
                    "us:stream": timer.primary(lambda s=step: s.run(floor.fused_floor_stream, floor.mix_floor_stream))}
             for form in FORMS:
-                floor.ROW_WARPS, floor.ROW_STAGES = form
-                row["us:" + _form(*form)] = timer.primary(lambda s=step: s.run(floor.fused_floor_row,
-                                                                                floor.mix_floor_row))
+                row["us:" + _form(*form)] = timer.primary(lambda s=step, f=form: s.run(
+                    _in_form(floor.fused_floor_row, f), _in_form(floor.mix_floor_row, f)))
             floor.ROW_WARPS, floor.ROW_STAGES = default
             row["us:row"] = min(row["us:" + _form(*f)] for f in FORMS)
             row["bw_floor"] = row["bytes"] / bw * 1e6
