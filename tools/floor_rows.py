@@ -37,6 +37,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from k3_ops.bench import common, floor, layer  # noqa: E402
+from k3_ops.bench.floor import prefix_candidate  # noqa: E402
 from k3_ops.bench.timing import Timer  # noqa: E402
 from k3_ops.kernels.attn_res_fwd import _sum_pair  # noqa: E402
 
@@ -128,19 +129,13 @@ def _tile_ladder_kernel(prefix_ptr, addend_ptr, blocks_ptr, nw_ptr, pw_ptr, onw_
     tl.extra.cuda.gdc_launch_dependents()
     tile_mask = (rows[:, None] < K) & mask[None, :]
     x = tl.load(blocks_ptr + t * stride_bt + rows[:, None] * stride_bc + cols[None, :], mask=tile_mask, other=0.0)
-    v = tl.load(prefix_ptr + t * stride_pt + cols, mask=mask, other=0.0)
+    v = prefix_candidate(prefix_ptr, addend_ptr, blocks_ptr, new_prefix_ptr, t, cols, mask, stride_pt,
+                         stride_at, stride_bt, stride_bc, H, write_idx, FUSED)
     w = tl.zeros([BLOCK], tl.float32)
     if LEVEL >= 1:
         w = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(
             pw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if FUSED:
-        a = tl.load(addend_ptr + t * stride_at + cols, mask=mask, other=0.0)
-        v = (v.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(new_prefix_ptr + t * H + cols, v, mask=mask)
-        if write_idx >= 0:
-            tl.store(blocks_ptr + t * stride_bt + write_idx * stride_bc + cols, v, mask=mask)
     x = x.to(tl.float32)
-    v = v.to(tl.float32)
     if LEVEL == 0:
         y = tl.sum(x * tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)[:, None], axis=0)
         y += v * tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)

@@ -33,7 +33,7 @@ import triton.language as tl
 from ..kernels.attn_res_fwd import gdc_launch_dependents_if, gdc_wait_if
 
 __all__ = ["mix_floor", "fused_floor", "mix_floor_stream", "fused_floor_stream", "mix_floor_row", "fused_floor_row",
-           "GEOMETRIES"]
+           "prefix_candidate", "GEOMETRIES"]
 
 GEOMETRIES = ("tile", "stream", "row")
 #: Tokens up to which the tile geometry splits a token over SPLIT programs.
@@ -44,6 +44,22 @@ _MAX_TILE = 16 * 32 * 64  # 16 warps x 64 values
 STREAM_BLOCK, STREAM_WARPS = 1024, 4
 #: Warps per program and pipeline stages of the row geometry (the table's one-row plan: 4 warps, 3 stages).
 ROW_WARPS, ROW_STAGES = 4, 3
+
+
+@triton.jit
+def prefix_candidate(prefix_ptr, addend_ptr, blocks_ptr, new_prefix_ptr, t, cols, mask, stride_pt, stride_at,
+                     stride_bt, stride_bc, H, write_idx, HAS_ADDEND: tl.constexpr):
+    # The prefix candidate as the call has it, in FP32, and the call's stores of it: with an addend the new prefix
+    # (one FP32 add rounded to the I/O dtype, as torch's add) into new_prefix and, where write_idx >= 0, the
+    # snapshot slot. Every geometry's (and tools/floor_rows.py's ladders').
+    v = tl.load(prefix_ptr + t * stride_pt + cols, mask=mask, other=0.0)
+    if HAS_ADDEND:
+        a = tl.load(addend_ptr + t * stride_at + cols, mask=mask, other=0.0)
+        v = (v.to(tl.float32) + a.to(tl.float32)).to(new_prefix_ptr.dtype.element_ty)
+        tl.store(new_prefix_ptr + t * H + cols, v, mask=mask)
+        if write_idx >= 0:
+            tl.store(blocks_ptr + t * stride_bt + write_idx * stride_bc + cols, v, mask=mask)
+    return v.to(tl.float32)
 
 
 @triton.jit
@@ -62,14 +78,8 @@ def _floor_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix_ptr, s
     tile_mask = (rows[:, None] < K) & mask[None, :]
     x = tl.load(blocks_ptr + t * stride_bt + rows[:, None] * stride_bc + cols[None, :], mask=tile_mask, other=0.0)
     x = x.to(tl.float32)
-    v = tl.load(prefix_ptr + t * stride_pt + cols, mask=mask, other=0.0)
-    if HAS_ADDEND:
-        a = tl.load(addend_ptr + t * stride_at + cols, mask=mask, other=0.0)
-        v = (v.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(new_prefix_ptr + t * H + cols, v, mask=mask)
-        if write_idx >= 0:
-            tl.store(blocks_ptr + t * stride_bt + write_idx * stride_bc + cols, v, mask=mask)
-    v = v.to(tl.float32)
+    v = prefix_candidate(prefix_ptr, addend_ptr, blocks_ptr, new_prefix_ptr, t, cols, mask, stride_pt, stride_at,
+                         stride_bt, stride_bc, H, write_idx, HAS_ADDEND)
     x = tl.where(rows[:, None] == K, v[None, :], x)
     scale = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)  # one reduction per row
     y = tl.sum(x * scale[:, None], axis=0)
@@ -96,15 +106,9 @@ def _floor_stream_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix
     gdc_wait_if(USE_PDL)
     gdc_launch_dependents_if(USE_PDL)
     x = tl.load(blocks_ptr + t * stride_bt + rows * stride_bc + cols, mask=(rows < K) & inside, other=0.0)
-    v = tl.load(prefix_ptr + t * stride_pt + cols, mask=inside, other=0.0)
-    if HAS_ADDEND:
-        a = tl.load(addend_ptr + t * stride_at + cols, mask=inside, other=0.0)
-        v = (v.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(new_prefix_ptr + t * H + cols, v, mask=inside)
-        if write_idx >= 0:
-            tl.store(blocks_ptr + t * stride_bt + write_idx * stride_bc + cols, v, mask=inside)
+    v = prefix_candidate(prefix_ptr, addend_ptr, blocks_ptr, new_prefix_ptr, t, cols, inside, stride_pt, stride_at,
+                         stride_bt, stride_bc, H, write_idx, HAS_ADDEND)
     x = x.to(tl.float32)
-    v = v.to(tl.float32)
     # one reduction per row
     y = tl.sum(x * tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)[:, None], axis=0)[None, :]
     y += v * tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)[:, None]
@@ -127,14 +131,8 @@ def _floor_row_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix_pt
     mask = cols < H
     gdc_wait_if(USE_PDL)
     gdc_launch_dependents_if(USE_PDL)
-    v = tl.load(prefix_ptr + t * stride_pt + cols, mask=mask, other=0.0)
-    if HAS_ADDEND:
-        a = tl.load(addend_ptr + t * stride_at + cols, mask=mask, other=0.0)
-        v = (v.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(new_prefix_ptr + t * H + cols, v, mask=mask)
-        if write_idx >= 0:
-            tl.store(blocks_ptr + t * stride_bt + write_idx * stride_bc + cols, v, mask=mask)
-    v = v.to(tl.float32)
+    v = prefix_candidate(prefix_ptr, addend_ptr, blocks_ptr, new_prefix_ptr, t, cols, mask, stride_pt, stride_at,
+                         stride_bt, stride_bc, H, write_idx, HAS_ADDEND)
     y = v * tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
     for i in tl.range(0, K, num_stages=STAGES):
         x = tl.load(blocks_ptr + t * stride_bt + i * stride_bc + cols, mask=mask, other=0.0).to(tl.float32)
