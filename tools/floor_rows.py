@@ -42,6 +42,7 @@ from k3_ops.bench.timing import Timer  # noqa: E402
 from k3_ops.kernels.attn_res_fwd import _sum_pair  # noqa: E402
 
 FORMS = [(warps, stages) for warps in (4, 8) for stages in (1, 2, 3)]
+H, CAP = 7168, 9
 
 
 def _arg(name: str, default: str) -> str:
@@ -58,6 +59,21 @@ def _in_form(fn, form: tuple[int, int]):
         floor.ROW_WARPS, floor.ROW_STAGES = form
         return fn(*args)
     return call
+
+
+def _setup(max_tokens: int) -> tuple[Timer, dict, float, common.Problem]:
+    """Every section's timer, the run's limits and copy bandwidth, and its problem (bf16, H = 7168, capacity 9,
+    token-major) at up to ``max_tokens`` tokens."""
+    timer = Timer("cuda", rep_ms=10.0)
+    limits = timer.limits()
+    problem = common.Problem(max_tokens, CAP, H, torch.bfloat16, torch.device("cuda"), "token")
+    return timer, limits, limits["copy_bandwidth_Bps"], problem
+
+
+def _write(out_dir: str, name: str, limits: dict, **result) -> None:
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump({"environment": common.environment(torch.device("cuda")), "limits": limits, **result}, f,
+                  indent=1)
 
 
 def _time(timer: Timer, impls: dict, args: tuple, row: dict, bw: float, label: str) -> None:
@@ -177,17 +193,13 @@ def _tile_ladder(level: int, fused: bool):
 
 
 def tile_ladder(out_dir: str) -> None:
-    timer = Timer("cuda", rep_ms=10.0)
-    limits = timer.limits()
-    bw = limits["copy_bandwidth_Bps"]
-    H, cap = 7168, 9
+    timer, limits, bw, problem = _setup(256)
     ops = common.k3_ops_ops()
     rows = []
-    problem = common.Problem(256, cap, H, torch.bfloat16, torch.device("cuda"), "token")
     with torch.inference_mode():
         for K in (1, 4):
             problem.poison(K)
-            write = K if K < cap else -1
+            write = K if K < CAP else -1
             for call, tokens in (("plain", (1, 64, 256)), ("fused", (1, 64))):
                 fused = call == "fused"
                 op = ops.fused if fused else ops.attn_res
@@ -201,9 +213,7 @@ def tile_ladder(out_dir: str) -> None:
                     _time(timer, impls, args, row, bw, f"tile_ladder {call} T={T} K={K}")
                     rows.append(row)
             problem.restore(K)
-    with open(os.path.join(out_dir, "floor_tile_ladder.json"), "w") as f:
-        json.dump({"environment": common.environment(torch.device("cuda")), "limits": limits, "rows": rows}, f,
-                  indent=1)
+    _write(out_dir, "floor_tile_ladder.json", limits, rows=rows)
 
 
 def _ladder(level: int, warps: int):
@@ -220,16 +230,12 @@ def _ladder(level: int, warps: int):
 def ladder(out_dir: str) -> None:
     import plan_variants  # the op with a forced plan (tools/plan_variants.py)
 
-    timer = Timer("cuda", rep_ms=10.0)
-    limits = timer.limits()
-    bw = limits["copy_bandwidth_Bps"]
-    H, cap = 7168, 9
+    timer, limits, bw, problem = _setup(1024)
     impls = {"k3_ops": common.k3_ops_ops().attn_res,
              "op_w8_s3": plan_variants.variant(lambda T, K, f: plan_variants.token(1, 8, 3, True)).attn_res}
     impls.update({f"l{level}_w{warps}": _ladder(level, warps) for level in (0, 1, 2) for warps in (4, 8)})
     impls["k3_ops_again"] = impls["k3_ops"]
     rows = []
-    problem = common.Problem(1024, cap, H, torch.bfloat16, torch.device("cuda"), "token")
     with torch.inference_mode():
         for K in (4, 8):
             problem.poison(K)
@@ -240,9 +246,7 @@ def ladder(out_dir: str) -> None:
                 _time(timer, impls, args, row, bw, f"ladder T={T} K={K}")
                 rows.append(row)
             problem.restore(K)
-    with open(os.path.join(out_dir, "floor_ladder.json"), "w") as f:
-        json.dump({"environment": common.environment(torch.device("cuda")), "limits": limits, "rows": rows}, f,
-                  indent=1)
+    _write(out_dir, "floor_ladder.json", limits, rows=rows)
 
 
 def main() -> None:
@@ -253,18 +257,14 @@ def main() -> None:
     tokens = [int(t) for t in _arg("--tokens", "64,256,512,1024,8192").split(",")]
     layer_tokens = [int(t) for t in _arg("--layer", "64,512").split(",") if t]
     os.makedirs(out_dir, exist_ok=True)
-    timer = Timer("cuda", rep_ms=10.0)
-    limits = timer.limits()
-    bw = limits["copy_bandwidth_Bps"]
+    timer, limits, bw, problem = _setup(max(tokens))
     ops = common.k3_ops_ops()
-    H, cap = 7168, 9
     default = (floor.ROW_WARPS, floor.ROW_STAGES)
     rows = []
-    problem = common.Problem(max(tokens), cap, H, torch.bfloat16, torch.device("cuda"), "token")
     with torch.inference_mode():
         for K in (1, 4, 8):
             problem.poison(K)
-            write = K if K < cap else -1
+            write = K if K < CAP else -1
             for call in ("plain", "fused"):
                 for T in tokens:
                     if call == "plain":
@@ -288,7 +288,7 @@ def main() -> None:
     steps = []
     with torch.inference_mode():
         for T in layer_tokens:
-            step = layer.Step(T, H, cap, layer.LAYERS, torch.bfloat16, torch.bfloat16, torch.device("cuda"), "token")
+            step = layer.Step(T, H, CAP, layer.LAYERS, torch.bfloat16, torch.bfloat16, torch.device("cuda"), "token")
             row = {"T": T, "calls": step.calls(), "bytes": step.bytes(),
                    "us:k3_ops": timer.primary(lambda s=step: s.run(ops.fused, ops.attn_res)),
                    "us:stream": timer.primary(lambda s=step: s.run(floor.fused_floor_stream, floor.mix_floor_stream))}
@@ -302,10 +302,7 @@ def main() -> None:
             print(f"layer T={T} " + " ".join(f"{k[3:]}={v:.1f}" for k, v in row.items() if k.startswith("us:"))
                   + f" bw_floor={row['bw_floor']:.1f}", flush=True)
             del step
-    result = {"environment": common.environment(torch.device("cuda")), "limits": limits,
-              "forms": [_form(*f) for f in FORMS], "rows": rows, "layer": steps}
-    with open(os.path.join(out_dir, "floor_rows.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    _write(out_dir, "floor_rows.json", limits, forms=[_form(*f) for f in FORMS], rows=rows, layer=steps)
 
 
 if __name__ == "__main__":
