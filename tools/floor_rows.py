@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from k3_ops.bench import common, floor, layer  # noqa: E402
 from k3_ops.bench.floor import prefix_candidate  # noqa: E402
 from k3_ops.bench.timing import Timer  # noqa: E402
-from k3_ops.kernels.attn_res_fwd import _sum_pair  # noqa: E402
+from k3_ops.kernels.attn_res_fwd import _score, _sum_pair  # noqa: E402
 
 FORMS = [(warps, stages) for warps in (4, 8) for stages in (1, 2, 3)]
 H, CAP = 7168, 9
@@ -144,13 +144,19 @@ def _tile_ladder_kernel(prefix_ptr, addend_ptr, blocks_ptr, nw_ptr, pw_ptr, onw_
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
     tile_mask = (rows[:, None] < K) & mask[None, :]
-    x = tl.load(blocks_ptr + t * stride_bt + rows[:, None] * stride_bc + cols[None, :], mask=tile_mask, other=0.0)
-    v = prefix_candidate(prefix_ptr, addend_ptr, blocks_ptr, new_prefix_ptr, t, cols, mask, stride_pt,
-                         stride_at, stride_bt, stride_bc, H, write_idx, FUSED)
     w = tl.zeros([BLOCK], tl.float32)
-    if LEVEL >= 1:
+    if LEVEL >= 3:  # the op's order: the folded weight, the prefix candidate, then the tile
         w = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(
             pw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        v = prefix_candidate(prefix_ptr, addend_ptr, blocks_ptr, new_prefix_ptr, t, cols, mask, stride_pt,
+                             stride_at, stride_bt, stride_bc, H, write_idx, FUSED)
+    x = tl.load(blocks_ptr + t * stride_bt + rows[:, None] * stride_bc + cols[None, :], mask=tile_mask, other=0.0)
+    if LEVEL < 3:
+        v = prefix_candidate(prefix_ptr, addend_ptr, blocks_ptr, new_prefix_ptr, t, cols, mask, stride_pt,
+                             stride_at, stride_bt, stride_bc, H, write_idx, FUSED)
+        if LEVEL >= 1:
+            w = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(
+                pw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     x = x.to(tl.float32)
     if LEVEL == 0:
         y = tl.sum(x * tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)[:, None], axis=0)
@@ -158,8 +164,12 @@ def _tile_ladder_kernel(prefix_ptr, addend_ptr, blocks_ptr, nw_ptr, pw_ptr, onw_
     else:
         ss, d = tl.reduce((x * x, x * w[None, :]), 1, _sum_pair)
         ss_v, d_v = tl.reduce((v * v, v * w), 0, _sum_pair)
-        score = tl.where(rows < K, tl.rsqrt(ss / H + eps) * d, -float("inf"))
-        score_v = tl.rsqrt(ss_v / H + eps) * d_v
+        if LEVEL >= 4:  # the op's score: correctly rounded sqrt and division
+            score = tl.where(rows < K, _score(ss, d, H, eps, False), -float("inf"))
+            score_v = _score(ss_v, d_v, H, eps, False)
+        else:
+            score = tl.where(rows < K, tl.rsqrt(ss / H + eps) * d, -float("inf"))
+            score_v = tl.rsqrt(ss_v / H + eps) * d_v
         if LEVEL == 1:
             y = tl.sum(x * score[:, None], axis=0) + v * score_v
         else:
@@ -192,6 +202,28 @@ def _tile_ladder(level: int, fused: bool):
     return call
 
 
+def _op_launch(jit: bool):
+    """The plain op's kernel as the table plans it, launched from Python: through ``_launch.launch`` (the compiled
+    handle, as the op's first call of a key) or, ``jit``, through Triton's JIT launch (``kernel[grid]``, as under
+    the interpreter); the same compiled kernel as the op's C++ replay launches."""
+    from unittest import mock
+
+    from k3_ops.backends import cuda, prepare_weights
+
+    def call(prefix, blocks, nw, pw, K, eps):
+        T, H = prefix.shape
+        plan = cuda.choose_config(T, K, H, prefix.device)
+        nw, pw = prepare_weights(nw, pw)
+        out = torch.empty_like(prefix)
+        if jit:
+            with mock.patch.object(cuda, "use_interpreter", lambda t: True):
+                cuda._launch_forward(plan, prefix, blocks, nw, pw, out, K, eps)
+        else:
+            cuda._launch_forward(plan, prefix, blocks, nw, pw, out, K, eps)
+        return out
+    return call
+
+
 def tile_ladder(out_dir: str) -> None:
     timer, limits, bw, problem = _setup(256)
     ops = common.k3_ops_ops()
@@ -203,7 +235,8 @@ def tile_ladder(out_dir: str) -> None:
             for call, tokens in (("plain", (1, 64, 256)), ("fused", (1, 64))):
                 fused = call == "fused"
                 op = ops.fused if fused else ops.attn_res
-                impls = {"k3_ops": op, **{f"t{level}": _tile_ladder(level, fused) for level in (0, 1, 2)},
+                impls = {"k3_ops": op, **{f"t{level}": _tile_ladder(level, fused) for level in range(5)},
+                         **({} if fused else {"op_py": _op_launch(False), "op_jit": _op_launch(True)}),
                          "k3_ops_again": op}
                 for T in tokens:
                     args = problem.fused_args(T, K, write) if fused else problem.attn_res_args(T, K)
@@ -214,6 +247,30 @@ def tile_ladder(out_dir: str) -> None:
                     rows.append(row)
             problem.restore(K)
     _write(out_dir, "floor_tile_ladder.json", limits, rows=rows)
+
+
+def tile_eager(out_dir: str) -> None:
+    """One eager launch of each plain form of the tile ladder's comparison at T = 64 and 256, K = 4 (after two
+    untimed ones), for a profiler (ncu) to read each kernel on its own; their order into tile_eager.json."""
+    _, _, _, problem = _setup(256)
+    ops = common.k3_ops_ops()
+    impls = {"k3_ops": ops.attn_res, "op_jit": _op_launch(True), **{f"t{level}": _tile_ladder(level, False)
+                                                                     for level in (2, 3, 4)}}
+    order = []
+    with torch.inference_mode():
+        problem.poison(4)
+        for T in (64, 256):
+            args = problem.attn_res_args(T, 4)
+            for name, fn in impls.items():
+                fn(*args), fn(*args)
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_push(f"{name} T={T}")
+                fn(*args)
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_pop()
+                order.append(f"{name} T={T}")
+        problem.restore(4)
+    _write(out_dir, "tile_eager.json", {}, order=order)
 
 
 def _ladder(level: int, warps: int):
@@ -251,9 +308,10 @@ def ladder(out_dir: str) -> None:
 
 def main() -> None:
     out_dir = _arg("--out", ".")
-    if "--ladder" in sys.argv or "--tile-ladder" in sys.argv:
-        os.makedirs(out_dir, exist_ok=True)
-        return ladder(out_dir) if "--ladder" in sys.argv else tile_ladder(out_dir)
+    for flag, section in (("--ladder", ladder), ("--tile-ladder", tile_ladder), ("--tile-eager", tile_eager)):
+        if flag in sys.argv:
+            os.makedirs(out_dir, exist_ok=True)
+            return section(out_dir)
     tokens = [int(t) for t in _arg("--tokens", "64,256,512,1024,8192").split(",")]
     layer_tokens = [int(t) for t in _arg("--layer", "64,512").split(",") if t]
     os.makedirs(out_dir, exist_ok=True)
