@@ -31,6 +31,8 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
 - cluster_blocks: the table alone at the cluster kernel's shapes, T = 1..64, K = 2, 4..8; run from two builds
   side by side, it times a kernel change (the variant per block count) against the kernel before it.
 - layer_table: the layer schedule with the table alone, T = 1, 8, 64, 512 (the same use).
+- one_tile_blocks: the table alone at the one-tile plan's shapes (and the cluster entries among them), T = 1..512,
+  K = 1..4, plain and fused (the same use, for a change to the one-tile kernel).
 - layer_decode: the layer schedule with the table alone at T = 1, 8, 64: one build's side of an A/B of two builds
   timed in turn.
 - cluster_k12: the cluster kernel (8 or 4 CTAs per token, its 2-block variant) at K = 1 and 2 up to 32 tokens beside
@@ -294,6 +296,8 @@ SECTIONS = {
     "cluster_blocks": ({"table": TABLE}, dict(tokens=[1, 2, 4, 8, 16, 32, 64], blocks=[2, 4, 5, 6, 7, 8]),
                        (mix, fused)),
     "layer_table": ({"table": TABLE}, dict(tokens=[1, 8, 64, 512]), (layer,)),
+    "one_tile_blocks": ({"table": TABLE}, dict(tokens=[1, 8, 16, 64, 128, 256, 512], blocks=[1, 2, 3, 4]),
+                        (mix, fused)),
     # The decode sizes only, for A/B builds timed in turn (each build's own table).
     "layer_decode": ({"table": TABLE}, dict(tokens=[1, 8, 64]), (layer,)),
     "cluster_k12": ({"table": TABLE, **{f"cluster{n}": cluster_everywhere(n, 32) for n in (8, 4)}},
