@@ -11,7 +11,7 @@ in flight. A tile of ROWS rows puts ROWS rows' loads in flight at once and reduc
 cross-warp reduction (one shared-memory round per tile, not one per row).
 
 The prefix candidate (and with HAS_ADDEND its addend) is loaded right after the dependency wait, before the
-tiles, so its latency hides behind theirs; it is scored separately (a [BLOCK_H] row) and its row, in the I/O
+tiles (with ``ONE_TILE`` right after the tile's loads, which go first), so its latency hides behind theirs; it is scored separately (a [BLOCK_H] row) and its row, in the I/O
 dtype, is exactly what the fused call stores as new_prefix and the snapshot: in the epilogue, or with ``ONE_TILE``
 (every block row in one tile, no loop) right after the tile's loads are issued (the in-place prefix after the
 reductions: see there).
@@ -225,20 +225,31 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
     hmask = cols < H
     gdc_wait_if(USE_PDL)
     gdc_launch_dependents_if(USE_PDL)
-    w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
-    if ONW_AHEAD:
-        g = tl.load(onw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
-    # The prefix candidate first (new_prefix with an addend): its loads overlap the tiles'.
-    v = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask, other=0.0)
-    if HAS_ADDEND:
-        v = _add_addend(v, addend_ptr, t, cols, hmask, stride_at, stride_ah, VEC, H_STRIDED)
     r = tl.arange(0, ROWS)
     if ONE_TILE:
         # Every block row in one tile (the policy makes ROWS >= K) and the prefix row beside it: no loop, no
-        # online rescale, both statistics of each in one two-operand reduction (tools/decode_probe.py).
+        # online rescale, both statistics of each in one two-operand reduction (tools/decode_probe.py). The
+        # tile's loads are issued first, before the prefix's and the weights' (which L2 holds for every
+        # program): with the weights first the plain op took 0.4-1.4 us longer at K = 4, 64-256 tokens
+        # (docs/benchmarks.md, "The op's steps on a one-tile floor", t2 against t3).
         rmask = tl.where(hmask[None, :], (r < K)[:, None], False)
         x = tl.load(_block_row_ptrs(blocks_ptr, t, r[:, None], cols[None, :], stride_bt, stride_bc, stride_bh, VEC,
-                                    H_STRIDED), mask=rmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                                    H_STRIDED), mask=rmask, other=0.0, eviction_policy="evict_first")
+        v = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask,
+                    other=0.0)
+        if HAS_ADDEND:
+            v = _add_addend(v, addend_ptr, t, cols, hmask, stride_at, stride_ah, VEC, H_STRIDED)
+    w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
+    if ONW_AHEAD:
+        g = tl.load(onw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+    if not ONE_TILE:
+        # The prefix candidate before the loop (new_prefix with an addend): its loads overlap the tiles'.
+        v = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask,
+                    other=0.0)
+        if HAS_ADDEND:
+            v = _add_addend(v, addend_ptr, t, cols, hmask, stride_at, stride_ah, VEC, H_STRIDED)
+    if ONE_TILE:
+        x = x.to(tl.float32)
         if FUSED:
             # new_prefix and the snapshot as soon as their row is in, while the tile is still loading: the stores
             # drain beside the reduction instead of after it. Safe because nothing in this kernel reads what they
