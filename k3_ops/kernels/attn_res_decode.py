@@ -11,10 +11,10 @@ in flight. A tile of ROWS rows puts ROWS rows' loads in flight at once and reduc
 cross-warp reduction (one shared-memory round per tile, not one per row).
 
 The prefix candidate (and with HAS_ADDEND its addend) is loaded right after the dependency wait, before the
-tiles (with ``ONE_TILE`` right after the tile's loads, which go first), so its latency hides behind theirs; it is scored separately (a [BLOCK_H] row) and its row, in the I/O
-dtype, is exactly what the fused call stores as new_prefix and the snapshot: in the epilogue, or with ``ONE_TILE``
-(every block row in one tile, no loop) right after the tile's loads are issued (the in-place prefix after the
-reductions: see there).
+tiles (with ``ONE_TILE`` right after the tile's loads, which go first), so its latency hides behind theirs; it is
+scored separately (a [BLOCK_H] row) and its row, in the I/O dtype, is exactly what the fused call stores as
+new_prefix and the snapshot: in the epilogue, or with ``ONE_TILE`` (every block row in one tile, no loop) right
+after the tile's loads are issued (the in-place prefix after the reductions: see there).
 
 Programmatic dependent launch (``USE_PDL``, sm_90+): nothing is read before ``gdc_wait``, which returns only
 once the preceding kernel in the stream has completed and its writes are visible (the weights too: they are read
@@ -231,8 +231,14 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         # online rescale, both statistics of each in one two-operand reduction (tools/decode_probe.py). The
         # tile's loads are issued first, before the prefix's and the weights' (which L2 holds for every
         # program): with the weights first the plain op took 0.4-1.4 us longer at K = 4, 64-256 tokens
-        # (docs/benchmarks.md, "The op's steps on a one-tile floor", t2 against t3).
-        rmask = tl.where(hmask[None, :], (r < K)[:, None], False)
+        # (docs/benchmarks.md, "The op's steps on a one-tile floor", t2 against t3). The row mask's form also
+        # moves ptxas's schedule: `&` of the two bool tensors took 4-11 % less time for the plain op at 64-512
+        # tokens, K = 2..4, tl.where 2-5 % less for the fused call at 128-512 tokens, K = 2..4 (one H100 run of
+        # tools/ab_decode_kernel.sh, "The op's steps on a one-tile floor"); each keeps its faster one.
+        if FUSED:
+            rmask = tl.where(hmask[None, :], (r < K)[:, None], False)
+        else:
+            rmask = (r < K)[:, None] & hmask[None, :]
         x = tl.load(_block_row_ptrs(blocks_ptr, t, r[:, None], cols[None, :], stride_bt, stride_bc, stride_bh, VEC,
                                     H_STRIDED), mask=rmask, other=0.0, eviction_policy="evict_first")
         v = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask,
