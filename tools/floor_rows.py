@@ -20,9 +20,16 @@ them the op with the table's plan and with the one-row plan at 8 warps, 3 stages
 one [next_pow2(K), next_pow2(H)] tile loaded at once and the prefix apart), where the table runs K <= 4 up to 256
 tokens: ``t0`` the tile floor in that layout (one sum per row), ``t1`` + the folded weight in two-operand
 reductions (the tile's and the prefix's), each row weighted by its score, ``t2`` + the softmax over the K + 1
-scores; for the fused call each also adds the addend, the new prefix and snapshot stores and, from ``t0``, the
-output norm's reduction with its weight (``t0`` without the weight). Plain op at T = 1, 64, 256 x K = 1, 4, fused
-call at T = 1, 64 x K = 1, 4, beside the op. Writes floor_tile_ladder.json.
+scores, ``t3`` = t2 with its loads in the op's source order (the folded weight, the prefix, then the tile; t0-t2
+load the tile first), ``t4`` + the op's correctly rounded score; for the fused call each also adds the addend, the
+new prefix and snapshot stores and, from ``t0``, the output norm's reduction with its weight (``t0`` without the
+weight). Plain op at T = 1, 64, 256 x K = 1, 4, fused call at T = 1, 64 x K = 1, 4, beside the op and, for the
+plain op, its kernel launched from Python (``op_py``: the compiled handle, as the op's first call of a key) and
+through Triton's JIT (``op_jit``): the same kernel without the C++ replay's launch. Writes floor_tile_ladder.json.
+
+``--tile-eager`` launches each plain form (the op, op_jit, t2-t4) once eagerly at T = 64 and 256, K = 4, after two
+untimed launches, for a profiler: ``ncu -k regex:"attn_res_token_kernel|_tile_ladder_kernel" python
+tools/floor_rows.py --tile-eager``; the forms' order into tile_eager.json (three launches each).
 """
 from __future__ import annotations
 
