@@ -18,16 +18,17 @@ them the op with the table's plan and with the one-row plan at 8 warps, 3 stages
 
 ``--tile-ladder`` does the same in the one-tile plan's geometry (one program per token, 8 warps, the K block rows in
 one [next_pow2(K), next_pow2(H)] tile loaded at once and the prefix apart), where the table runs K <= 4 up to 256
-tokens: ``t0`` the tile floor in that layout (one sum per row), ``t1`` + the folded weight in two-operand
-reductions (the tile's and the prefix's), each row weighted by its score, ``t2`` + the softmax over the K + 1
-scores, ``t3`` = t2 with its loads in the op's source order (the folded weight, the prefix, then the tile; t0-t2
-load the tile first), ``t4`` + the op's correctly rounded score; for the fused call each also adds the addend, the
-new prefix and snapshot stores and, from ``t0``, the output norm's reduction with its weight (``t0`` without the
-weight). Plain op at T = 1, 64, 256 x K = 1, 4, fused call at T = 1, 64 x K = 1, 4, beside the op and, for the
-plain op, its kernel launched from Python (``op_py``: the compiled handle, as the op's first call of a key) and
-through Triton's JIT (``op_jit``): the same kernel without the C++ replay's launch. Writes floor_tile_ladder.json.
+tokens: ``t0`` the tile floor in that layout (one sum per row), ``t1`` + the folded weight in two-operand reductions
+(the tile's and the prefix's), each row weighted by its score, ``t2`` + the softmax over the K + 1 scores, ``t3`` =
+t2 with its loads in the op's source order before 0f1d84d (the folded weight, the prefix, then the tile; the other
+rungs load the tile first), ``t4`` = t3 + the op's correctly rounded score, ``t5`` = t2 + that score (t2's load
+order); for the fused call each also adds the addend, the new prefix and snapshot stores and, from ``t0``, the
+output norm's reduction with its weight (``t0`` without the weight). Plain op at T = 1, 64, 256 x K = 1, 4, fused
+call at T = 1, 64 x K = 1, 4, beside the op and, for the plain op, its kernel launched from Python (``op_py``: the
+compiled handle, as the op's first call of a key) and through Triton's JIT (``op_jit``): the same kernel without the
+C++ replay's launch. Writes floor_tile_ladder.json.
 
-``--tile-eager`` launches each plain form (the op, op_jit, t2-t4) once eagerly at T = 64 and 256, K = 4, after two
+``--tile-eager`` launches each plain form (the op, op_jit, t2-t5) once eagerly at T = 64 and 256, K = 4, after two
 untimed launches, for a profiler: ``ncu -k regex:"attn_res_token_kernel|_tile_ladder_kernel" python
 tools/floor_rows.py --tile-eager``; the forms' order into tile_eager.json (three launches each).
 """
@@ -152,13 +153,13 @@ def _tile_ladder_kernel(prefix_ptr, addend_ptr, blocks_ptr, nw_ptr, pw_ptr, onw_
     tl.extra.cuda.gdc_launch_dependents()
     tile_mask = (rows[:, None] < K) & mask[None, :]
     w = tl.zeros([BLOCK], tl.float32)
-    if LEVEL >= 3:  # the op's order: the folded weight, the prefix candidate, then the tile
+    if LEVEL == 3 or LEVEL == 4:  # the op's order before 0f1d84d: the folded weight, the prefix, then the tile
         w = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(
             pw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         v = prefix_candidate(prefix_ptr, addend_ptr, blocks_ptr, new_prefix_ptr, t, cols, mask, stride_pt,
                              stride_at, stride_bt, stride_bc, H, write_idx, FUSED)
     x = tl.load(blocks_ptr + t * stride_bt + rows[:, None] * stride_bc + cols[None, :], mask=tile_mask, other=0.0)
-    if LEVEL < 3:
+    if LEVEL < 3 or LEVEL == 5:
         v = prefix_candidate(prefix_ptr, addend_ptr, blocks_ptr, new_prefix_ptr, t, cols, mask, stride_pt,
                              stride_at, stride_bt, stride_bc, H, write_idx, FUSED)
         if LEVEL >= 1:
@@ -171,7 +172,7 @@ def _tile_ladder_kernel(prefix_ptr, addend_ptr, blocks_ptr, nw_ptr, pw_ptr, onw_
     else:
         ss, d = tl.reduce((x * x, x * w[None, :]), 1, _sum_pair)
         ss_v, d_v = tl.reduce((v * v, v * w), 0, _sum_pair)
-        if LEVEL >= 4:  # the op's score: correctly rounded sqrt and division
+        if LEVEL >= 4:  # the op's score: correctly rounded sqrt and division (t5: with t2's load order)
             score = tl.where(rows < K, _score(ss, d, H, eps, False), -float("inf"))
             score_v = _score(ss_v, d_v, H, eps, False)
         else:
@@ -242,7 +243,7 @@ def tile_ladder(out_dir: str) -> None:
             for call, tokens in (("plain", (1, 64, 256)), ("fused", (1, 64))):
                 fused = call == "fused"
                 op = ops.fused if fused else ops.attn_res
-                impls = {"k3_ops": op, **{f"t{level}": _tile_ladder(level, fused) for level in range(5)},
+                impls = {"k3_ops": op, **{f"t{level}": _tile_ladder(level, fused) for level in range(6)},
                          **({} if fused else {"op_py": _op_launch(False), "op_jit": _op_launch(True)}),
                          "k3_ops_again": op}
                 for T in tokens:
@@ -262,7 +263,7 @@ def tile_eager(out_dir: str) -> None:
     _, _, _, problem = _setup(256)
     ops = common.k3_ops_ops()
     impls = {"k3_ops": ops.attn_res, "op_jit": _op_launch(True), **{f"t{level}": _tile_ladder(level, False)
-                                                                     for level in (2, 3, 4)}}
+                                                                     for level in (2, 3, 4, 5)}}
     order = []
     with torch.inference_mode():
         problem.poison(4)
