@@ -142,12 +142,14 @@ def rows(dtype="bf16", block_h=8192, num_warps=4, prefetch=1, num_stages=3, fuse
 
 
 def token(dtype="bf16", block_h=8192, rows=4, num_warps=8, num_stages=1, fused=None, acc64=False, one_tile=False,
-          onw_ahead=False, prefix_first=False, norm_gram=False, asm="ptx"):
+          onw_ahead=False, prefix_first=False, norm_gram=False, asm="ptx", weights="fp32"):
     """The per-token decode kernel (kernels/attn_res_decode.py) with PDL, as the CUDA policy launches it; ``asm``:
-    which of the compiled forms to return ("ptx", or "ttir" for the Triton IR)."""
+    which of the compiled forms to return ("ptx", "cubin", or "ttir" for the Triton IR); ``weights``: the dtype of
+    the norm and projection weights (the benchmarks' are the I/O dtype)."""
     from k3_ops.kernels import attn_res_decode
 
     sig, const = rows_signature(dtype, fused or {})
+    sig["nw_ptr"] = sig["pw_ptr"] = f"*{weights}"
     del sig["PREFETCH"]
     for name in ("ROWS", "USE_PDL", "ONE_TILE", "ONW_AHEAD", "PREFIX_FIRST", "NORM_GRAM"):
         sig[name] = "constexpr"
@@ -358,13 +360,59 @@ def one_tile_cases() -> list[tuple[str, str, dict]]:
     return cases
 
 
+def load_schedule(cubin: bytes) -> dict:
+    """Where a kernel's global loads sit in its sm_90 SASS (nvdisasm of ``cubin``, Triton's bundled one): the
+    instruction count, the index of every LDG and of the first warp shuffle (the first cross-thread reduction step).
+    Loads issued well after the others, among the arithmetic on the first ones, mean a schedule that works on the
+    rows already in while the rest are in flight (docs/benchmarks.md, "The op's steps on a one-tile floor")."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
+    code = [line for line in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    ldg = [i for i, line in enumerate(code) if "LDG" in line]
+    shfl = next((i for i, line in enumerate(code) if "SHFL" in line), len(code))
+    return {"instructions": len(code), "ldg": ldg, "first_shuffle": shfl}
+
+
+def schedule_cases() -> list[tuple[str, bytes]]:
+    """(name, cubin) of the one-tile plan at K = 4 (plain, fused, in-place serving; bf16 weights, as the benchmarks
+    pass them) and of tools/floor_rows.py's tile-ladder rungs t2-t5 (plain, K = 4), with the 16-byte divisibility the
+    JIT gives their strides."""
+    import floor_rows
+
+    cases = [(f"op-one-tile-k4-{name}", token(rows=4, one_tile=True, fused=fused, asm="cubin", weights="bf16")[0])
+             for name, fused in (("plain", None), ("fused", FUSED_ALL), ("serving", SERVING))]
+    fn = floor_rows._tile_ladder_kernel
+    names = list(fn.arg_names)
+    sig = {n: "*bf16" for n in names if n.endswith("_ptr")}
+    sig.update({n: "i32" for n in ("stride_pt", "stride_at", "stride_bt", "stride_bc", "H", "K", "write_idx")})
+    sig["eps"] = "fp32"
+    for level in (2, 3, 4, 5):
+        const = dict(ROWS=4, BLOCK=8192, LEVEL=level, FUSED=False)
+        src = _source(fn, {**sig, **{n: "constexpr" for n in const}}, const)
+        for n in ("stride_pt", "stride_at", "stride_bt", "stride_bc"):
+            src.attrs[(names.index(n),)] = [["tt.divisibility", 16]]
+        cases.append((f"ladder-t{level}-k4", triton.compile(src, target=TARGET, options=_options(8)).asm["cubin"]))
+    return cases
+
+
 def main() -> None:
     """Print every case whose name contains one of the command-line words (all cases without any);
     ``--json`` prints {"triton": version, "ptxas": [path, CUDA release] or null, "cases": {name: resources}} for
     ``budget_cases()`` instead (used by tests/test_register_budget.py; no cases where there is no ptxas);
-    ``--store-order`` prints the same with {name: store_order(...)} for ``ORDER_CASES`` (tests/test_store_order.py)."""
+    ``--store-order`` prints the same with {name: store_order(...)} for ``ORDER_CASES`` (tests/test_store_order.py);
+    ``--schedule`` the global loads' places in the sm_90 SASS of ``schedule_cases()`` (``load_schedule``)."""
     args = sys.argv[1:]
     found = find_ptxas()
+    if args[:1] == ["--schedule"]:
+        print(f"triton {triton.__version__}: name, instructions, LDG indices, first shuffle")
+        for name, cubin in schedule_cases():
+            r = load_schedule(cubin)
+            print(f"{name:24s} {r['instructions']:5d} ldg {' '.join(map(str, r['ldg']))} shuffle {r['first_shuffle']}")
+        return
     if args[:1] == ["--store-order"]:
         from k3_ops.kernels import attn_res_decode
 
