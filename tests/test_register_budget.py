@@ -57,8 +57,10 @@ def test_default_fused_rows_plan_spills_little(budget):
 def test_one_tile_token_plan_has_no_spills(budget, name):
     # The one-tile decode plan (the table's entry for K <= 4 up to 256 tokens; rows_per_tile 0, 8 warps): all of a
     # token's rows and the prefix row held in registers at once, which is its point; a spill would put them in
-    # local memory. Measured, no spills: triton 3.8 102 / 126 / 203 registers plain at K = 1 / 2 / 4 and 169 / 192
-    # / 254 fused; triton 3.9 100 / 127 / 200 and 166 / 212 / 252.
+    # local memory. Measured, no spills: triton 3.8 102 / 125 / 209 registers plain at K = 1 / 2 / 4 and 165 / 222
+    # / 255 fused since 1f87869 (the tile's loads first, the plain op's row mask an &); triton 3.9 100 / 127 / 200
+    # and 166 / 212 / 252 before it. (The device's triton 3.6 spills 4 bytes per thread in the plain K = 2 plan
+    # since 1f87869, which its timings include: docs/benchmarks.md, "The op's steps on a one-tile floor".)
     r = budget[name]
     assert 0 < r["regs"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 
@@ -286,3 +288,23 @@ def test_cuda_cpp_cluster_few_block_variants_hold_fewer_registers(cluster_budget
         if mb in larger:
             bigger = cluster_budget[(args, cs, larger[mb], fused, gram)]
             assert r["regs"] < bigger["regs"], (args, cs, mb, fused, gram, r)
+
+
+def test_schedule_cases_compile_to_16_byte_loads():
+    # tools/ptxas_info.py --schedule compares where the one-tile plan and the tile ladder's rungs place their global
+    # loads; the comparison means something only if all of them load 16 bytes per instruction as the JIT compiles
+    # them (the rungs' strides get the divisibility the JIT infers): at K = 4, 16 tile loads, 4 of the prefix and
+    # the weights' per thread, 24-48 in all, where 2-byte loads would be about 8x as many.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import ptxas_info as p; f = p.find_ptxas(); "
+            "print(json.dumps(None if f is None else {n: p.load_schedule(c) for n, c in p.schedule_cases()}))")
+    r = subprocess.run([sys.executable, "-c", code, str(TOOL.parent)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cases = json.loads(r.stdout.strip().splitlines()[-1])
+    if cases is None:
+        pytest.skip(f"triton {triton.__version__} has no CUDA ptxas for sm_90")
+    assert {n.split("-k4")[0] for n in cases} >= {"op-one-tile", "ladder-t2", "ladder-t5"}, sorted(cases)
+    for name, sched in cases.items():
+        assert 24 <= len(sched["ldg"]) <= 48, (name, sched)
+        assert sched["ldg"] == sorted(sched["ldg"]) and min(sched["ldg"]) < sched["first_shuffle"], (name, sched)
