@@ -112,6 +112,16 @@ def _fold_row_gram(x, w, m, l_sum, acc, A, B, H, eps, ACC64: tl.constexpr):
 
 
 @triton.jit
+def _prefix_row(prefix_ptr, addend_ptr, t, cols, hmask, stride_pt, stride_ph, stride_at, stride_ah,
+                VEC: tl.constexpr, H_STRIDED: tl.constexpr, HAS_ADDEND: tl.constexpr):
+    # The prefix candidate's row in the I/O dtype: with an addend the new prefix (_add_addend).
+    v = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask, other=0.0)
+    if HAS_ADDEND:
+        v = _add_addend(v, addend_ptr, t, cols, hmask, stride_at, stride_ah, VEC, H_STRIDED)
+    return v
+
+
+@triton.jit
 def _sum3(a0, b0, c0, a1, b1, c1):
     return a0 + a1, b0 + b1, c0 + c1
 
@@ -228,32 +238,28 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
     r = tl.arange(0, ROWS)
     if ONE_TILE:
         # Every block row in one tile (the policy makes ROWS >= K) and the prefix row beside it: no loop, no
-        # online rescale, both statistics of each in one two-operand reduction (tools/decode_probe.py). The
-        # tile's loads are issued first, before the prefix's and the weights' (which L2 holds for every
-        # program): with the weights first the plain op took 0.4-1.4 us longer at K = 4, 64-256 tokens
-        # (docs/benchmarks.md, "The op's steps on a one-tile floor", t2 against t3). The row mask's form also
-        # moves ptxas's schedule: `&` of the two bool tensors took 4-11 % less time for the plain op at 64-512
-        # tokens, K = 2..4, tl.where 2-5 % less for the fused call at 128-512 tokens, K = 2..4 (one H100 run of
-        # tools/ab_decode_kernel.sh, "The op's steps on a one-tile floor"); each keeps its faster one.
+        # online rescale, both statistics of each in one two-operand reduction (tools/decode_probe.py).
+        # Where the compiled code issues the tile's loads moves its time (docs/benchmarks.md, "The op's steps on a
+        # one-tile floor"), and two source choices here were timed for it (one H100 run each, beside the kernel
+        # before): the tile's loads first in the source, before the prefix's and the weights' (0.97-1.02x), and
+        # the row mask as `&` of the two bool tensors, 0.89-0.97x for the plain op at 64-512 tokens, K = 2..4,
+        # where tl.where is 2-5 % faster for the fused call at 128-512 tokens: each keeps its faster form (the
+        # same lanes, the same bits).
         if FUSED:
             rmask = tl.where(hmask[None, :], (r < K)[:, None], False)
         else:
             rmask = (r < K)[:, None] & hmask[None, :]
         x = tl.load(_block_row_ptrs(blocks_ptr, t, r[:, None], cols[None, :], stride_bt, stride_bc, stride_bh, VEC,
                                     H_STRIDED), mask=rmask, other=0.0, eviction_policy="evict_first")
-        v = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask,
-                    other=0.0)
-        if HAS_ADDEND:
-            v = _add_addend(v, addend_ptr, t, cols, hmask, stride_at, stride_ah, VEC, H_STRIDED)
+        v = _prefix_row(prefix_ptr, addend_ptr, t, cols, hmask, stride_pt, stride_ph, stride_at, stride_ah, VEC,
+                        H_STRIDED, HAS_ADDEND)
     w = _load_folded_weight(nw_ptr, pw_ptr, cols, hmask)
     if ONW_AHEAD:
         g = tl.load(onw_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
     if not ONE_TILE:
-        # The prefix candidate before the loop (new_prefix with an addend): its loads overlap the tiles'.
-        v = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=hmask,
-                    other=0.0)
-        if HAS_ADDEND:
-            v = _add_addend(v, addend_ptr, t, cols, hmask, stride_at, stride_ah, VEC, H_STRIDED)
+        # The prefix candidate before the loop: its loads overlap the tiles'.
+        v = _prefix_row(prefix_ptr, addend_ptr, t, cols, hmask, stride_pt, stride_ph, stride_at, stride_ah, VEC,
+                        H_STRIDED, HAS_ADDEND)
     if ONE_TILE:
         x = x.to(tl.float32)
         if FUSED:
