@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds of the per-token kernel (k3_ops/kernels/attn_res_decode.py) timed in turn in one device call: this tree
-# ("a") and one copy of it per SIDES entry "name:file", with that file in place of attn_res_decode.py; each pass
+# ("a") and one copy of it per SIDES entry "name:file", with that file in place of attn_res_decode.py (a file
+# ending in .patch is applied to the copy instead, `patch -p1`, for a change beyond that file); each pass
 # runs tools/plan_variants.py on SECTIONS (default one_tile_blocks layer_table: the table at T = 1..512,
 # K = 1..4, plain and fused, and the layer step at T = 1, 8, 64, 512), in ORDER (default: a, the sides, the sides
-# again reversed, a). Only that file differs between the builds; the C++ extension built here is shared.
+# again reversed, a). Only the Python kernels differ between the builds; the C++ extension built here is shared.
 # Usage, on the GPU machine from the repository root after an in-place build:
 #   K3_OPS_COMMIT=<commit> OUT=<dir> SIDES="b:old.py c:new.py" tools/ab_decode_kernel.sh
 set -u
@@ -14,8 +15,11 @@ names=""
 for entry in ${SIDES:?name:file pairs}; do
   s=${entry%%:*}; f=${entry#*:}; D=/tmp/side_$s; rm -rf $D && mkdir -p $D
   tar cf - --exclude=./build --exclude=./.venv --exclude=./.git . | tar xf - -C $D
-  cp "$f" $D/k3_ops/kernels/attn_res_decode.py
-  echo "$s: $(diff $A/k3_ops/kernels/attn_res_decode.py $D/k3_ops/kernels/attn_res_decode.py | grep -c '^[<>]') changed lines"
+  case $f in
+    *.patch) patch -s -p1 -d $D < "$f" || exit 1 ;;
+    *) cp "$f" $D/k3_ops/kernels/attn_res_decode.py ;;
+  esac
+  echo "$s: $(diff -r $A/k3_ops $D/k3_ops | grep -c '^[<>]') changed lines"
   names="$names $s"
 done
 default_order="a$names $(echo $names | tr ' ' '\n' | tac | tr '\n' ' ') a"

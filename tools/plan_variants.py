@@ -33,6 +33,9 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
 - layer_table: the layer schedule with the table alone, T = 1, 8, 64, 512 (the same use).
 - one_tile_blocks: the table alone at the one-tile plan's shapes (and the cluster entries among them), T = 1..512,
   K = 1..4, plain and fused (the same use, for a change to the one-tile kernel).
+- loop_blocks: the table alone where it runs a loop over the block rows (K = 5 and 8 at 128-1024 tokens: the
+  per-token kernel's one-row plan, the rows kernel above 512 tokens), plain and fused (the same use, for a change
+  to the kernels' per-row steps).
 - layer_decode: the layer schedule with the table alone at T = 1, 8, 64: one build's side of an A/B of two builds
   timed in turn.
 - cluster_k12: the cluster kernel (8 or 4 CTAs per token, its 2-block variant) at K = 1 and 2 up to 32 tokens beside
@@ -298,6 +301,7 @@ SECTIONS = {
     "layer_table": ({"table": TABLE}, dict(tokens=[1, 8, 64, 512]), (layer,)),
     "one_tile_blocks": ({"table": TABLE}, dict(tokens=[1, 8, 16, 64, 128, 256, 512], blocks=[1, 2, 3, 4]),
                         (mix, fused)),
+    "loop_blocks": ({"table": TABLE}, dict(tokens=[128, 256, 512, 1024], blocks=[5, 8]), (mix, fused)),
     # The decode sizes only, for A/B builds timed in turn (each build's own table).
     "layer_decode": ({"table": TABLE}, dict(tokens=[1, 8, 64]), (layer,)),
     "cluster_k12": ({"table": TABLE, **{f"cluster{n}": cluster_everywhere(n, 32) for n in (8, 4)}},
