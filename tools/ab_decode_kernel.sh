@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds of the per-token kernel (k3_ops/kernels/attn_res_decode.py) timed in turn in one device call: this tree
 # ("a") and one copy of it per SIDES entry "name:file", with that file in place of attn_res_decode.py (a file
-# ending in .patch is applied to the copy instead, `patch -p1`, for a change beyond that file); each pass
+# ending in .patch is applied to the copy instead, `patch -p1`, for a change beyond that file; "name:f1+f2" applies
+# both in turn); each pass
 # runs tools/plan_variants.py on SECTIONS (default one_tile_blocks layer_table: the table at T = 1..512,
 # K = 1..4, plain and fused, and the layer step at T = 1, 8, 64, 512), in ORDER (default: a, the sides, the sides
 # again reversed, a). Only the Python kernels differ between the builds; the C++ extension built here is shared.
@@ -15,10 +16,12 @@ names=""
 for entry in ${SIDES:?name:file pairs}; do
   s=${entry%%:*}; f=${entry#*:}; D=/tmp/side_$s; rm -rf $D && mkdir -p $D
   tar cf - --exclude=./build --exclude=./.venv --exclude=./.git . | tar xf - -C $D
-  case $f in
-    *.patch) patch -s -p1 -d $D < "$f" || exit 1 ;;
-    *) cp "$f" $D/k3_ops/kernels/attn_res_decode.py ;;
-  esac
+  for g in ${f//+/ }; do
+    case $g in
+      *.patch) patch -s -p1 -d $D < "$g" || { echo "$s: $g does not apply"; exit 1; } ;;
+      *) cp "$g" $D/k3_ops/kernels/attn_res_decode.py ;;
+    esac
+  done
   echo "$s: $(diff -r $A/k3_ops $D/k3_ops | grep -c '^[<>]') changed lines"
   names="$names $s"
 done

@@ -33,6 +33,8 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
 - layer_table: the layer schedule with the table alone, T = 1, 8, 64, 512 (the same use).
 - one_tile_blocks: the table alone at the one-tile plan's shapes (and the cluster entries among them), T = 1..512,
   K = 1..4, plain and fused (the same use, for a change to the one-tile kernel).
+- decode_short: the table alone at T = 1, 64, 256, K = 1, 2, 4, plain and fused (the same use, fewer shapes than
+  one_tile_blocks, for A/B runs of several builds).
 - loop_blocks: the table alone where it runs a loop over the block rows (K = 5 and 8 at 128-1024 tokens: the
   per-token kernel's one-row plan, the rows kernel above 512 tokens), plain and fused (the same use, for a change
   to the kernels' per-row steps).
@@ -301,6 +303,7 @@ SECTIONS = {
     "layer_table": ({"table": TABLE}, dict(tokens=[1, 8, 64, 512]), (layer,)),
     "one_tile_blocks": ({"table": TABLE}, dict(tokens=[1, 8, 16, 64, 128, 256, 512], blocks=[1, 2, 3, 4]),
                         (mix, fused)),
+    "decode_short": ({"table": TABLE}, dict(tokens=[1, 64, 256], blocks=[1, 2, 4]), (mix, fused)),
     "loop_blocks": ({"table": TABLE}, dict(tokens=[128, 256, 512, 1024], blocks=[5, 8]), (mix, fused)),
     # The decode sizes only, for A/B builds timed in turn (each build's own table).
     "layer_decode": ({"table": TABLE}, dict(tokens=[1, 8, 64]), (layer,)),
