@@ -35,9 +35,11 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
   K = 1..4, plain and fused (the same use, for a change to the one-tile kernel).
 - decode_short: the table alone at T = 1, 64, 256, K = 1, 2, 4, plain and fused (the same use, fewer shapes than
   one_tile_blocks, for A/B runs of several builds).
-- loop_blocks: the table alone where it runs a loop over the block rows (K = 5 and 8 at 128-1024 tokens: the
+- loop_blocks: the table alone where it runs a loop over the block rows (K = 5 and 8 at 256-1024 tokens: the
   per-token kernel's one-row plan, the rows kernel above 512 tokens), plain and fused (the same use, for a change
   to the kernels' per-row steps).
+- large_blocks: the table alone at T = 4096, K = 1, 2, 4, 8, plain and fused (the same use: what a change does
+  where nothing may get slower).
 - layer_decode: the layer schedule with the table alone at T = 1, 8, 64: one build's side of an A/B of two builds
   timed in turn.
 - cluster_k12: the cluster kernel (8 or 4 CTAs per token, its 2-block variant) at K = 1 and 2 up to 32 tokens beside
@@ -304,7 +306,8 @@ SECTIONS = {
     "one_tile_blocks": ({"table": TABLE}, dict(tokens=[1, 8, 16, 64, 128, 256, 512], blocks=[1, 2, 3, 4]),
                         (mix, fused)),
     "decode_short": ({"table": TABLE}, dict(tokens=[1, 64, 256], blocks=[1, 2, 4]), (mix, fused)),
-    "loop_blocks": ({"table": TABLE}, dict(tokens=[128, 256, 512, 1024], blocks=[5, 8]), (mix, fused)),
+    "loop_blocks": ({"table": TABLE}, dict(tokens=[256, 512, 1024], blocks=[5, 8]), (mix, fused)),
+    "large_blocks": ({"table": TABLE}, dict(tokens=[4096], blocks=[1, 2, 4, 8]), (mix, fused)),
     # The decode sizes only, for A/B builds timed in turn (each build's own table).
     "layer_decode": ({"table": TABLE}, dict(tokens=[1, 8, 64]), (layer,)),
     "cluster_k12": ({"table": TABLE, **{f"cluster{n}": cluster_everywhere(n, 32) for n in (8, 4)}},
