@@ -28,6 +28,12 @@ call at T = 1, 64 x K = 1, 4, beside the op and, for the plain op, its kernel la
 compiled handle, as the op's first call of a key) and through Triton's JIT (``op_jit``): the same kernel without the
 C++ replay's launch. Writes floor_tile_ladder.json.
 
+``--layer-mix`` times the layer step (bench.layer's schedule, one graph) with its fused sites split by block count:
+the op everywhere (first and last); the sites at K <= 4 on the tile ladder's t2 (the one-tile geometry with the
+simplest form of the arithmetic), the others on the op; the sites at K > 4 and the final mix on the stream floor, the
+others on the op; both; and every call on the stream floor. T = 1, 8, 64, 512 (``--layer``). Where the step's time
+goes by site class, against its target. Writes floor_layer_mix.json.
+
 ``--tile-eager`` launches each plain form (the op, op_jit, t2-t5) once eagerly at T = 64 and 256, K = 4, after two
 untimed launches, for a profiler: ``ncu -k regex:"attn_res_token_kernel|_tile_ladder_kernel" python
 tools/floor_rows.py --tile-eager``; the forms' order into tile_eager.json (three launches each).
@@ -204,7 +210,7 @@ def _tile_ladder(level: int, fused: bool):
         new_prefix = torch.empty_like(prefix) if fused else out
         _tile_ladder_kernel[(T,)](prefix, addend, blocks, nw, pw, onw, out, new_prefix, prefix.stride(0),
                                   addend.stride(0), blocks.stride(0), blocks.stride(1), H, eps, K, write,
-                                  ROWS=triton.next_power_of_2(K), BLOCK=triton.next_power_of_2(H), LEVEL=level,
+                                  ROWS=max(1, triton.next_power_of_2(K)), BLOCK=triton.next_power_of_2(H), LEVEL=level,
                                   FUSED=fused, num_warps=8, num_stages=1, launch_pdl=True)
         return (out, new_prefix) if fused else out
     return call
@@ -314,9 +320,43 @@ def ladder(out_dir: str) -> None:
     _write(out_dir, "floor_ladder.json", limits, rows=rows)
 
 
+def _by_blocks(small, large, k_max: int = 4):
+    """A fused call that runs ``small`` at K <= k_max and ``large`` above (the layer step's sites by K)."""
+    def call(*args):
+        return (small if args[5] <= k_max else large)(*args)
+    return call
+
+
+def layer_mix(out_dir: str) -> None:
+    timer, limits, bw, _ = _setup(1)
+    ops = common.k3_ops_ops()
+    t2 = _tile_ladder(2, True)
+    stream = floor.fused_floor_stream
+    steps = {"k3_ops": (ops.fused, ops.attn_res),
+             "t2_small": (_by_blocks(t2, ops.fused), ops.attn_res),
+             "stream_large": (_by_blocks(ops.fused, stream), floor.mix_floor_stream),
+             "t2_small_stream_large": (_by_blocks(t2, stream), floor.mix_floor_stream),
+             "stream": (stream, floor.mix_floor_stream),
+             "k3_ops_again": (ops.fused, ops.attn_res)}
+    rows = []
+    with torch.inference_mode():
+        for T in [int(t) for t in _arg("--layer", "1,8,64,512").split(",")]:
+            step = layer.Step(T, H, CAP, layer.LAYERS, torch.bfloat16, torch.bfloat16, torch.device("cuda"), "token")
+            row = {"T": T, "calls": step.calls(), "bytes": step.bytes(),
+                   "sites_small": sum(K <= 4 for K, _ in step.sites), "sites_large": sum(K > 4 for K, _ in step.sites)}
+            for name, (fused, mix) in steps.items():
+                row["us:" + name] = timer.primary(lambda s=step, f=fused, m=mix: s.run(f, m))
+            rows.append(row)
+            print(f"layer_mix T={T} " + " ".join(f"{k[3:]}={v:.1f}" for k, v in row.items() if k.startswith("us:")),
+                  flush=True)
+            del step
+    _write(out_dir, "floor_layer_mix.json", limits, rows=rows)
+
+
 def main() -> None:
     out_dir = _arg("--out", ".")
-    for flag, section in (("--ladder", ladder), ("--tile-ladder", tile_ladder), ("--tile-eager", tile_eager)):
+    for flag, section in (("--ladder", ladder), ("--tile-ladder", tile_ladder), ("--tile-eager", tile_eager),
+                          ("--layer-mix", layer_mix)):
         if flag in sys.argv:
             os.makedirs(out_dir, exist_ok=True)
             return section(out_dir)
