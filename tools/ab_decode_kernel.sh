@@ -18,7 +18,7 @@ for entry in ${SIDES:?name:file pairs}; do
   tar cf - --exclude=./build --exclude=./.venv --exclude=./.git . | tar xf - -C $D
   for g in ${f//+/ }; do
     case $g in
-      *.patch) patch -s -p1 -d $D < "$g" || { echo "$s: $g does not apply"; exit 1; } ;;
+      *.patch) patch -s -p1 --no-backup-if-mismatch -d $D < "$g" || { echo "$s: $g does not apply"; exit 1; } ;;
       *) cp "$g" $D/k3_ops/kernels/attn_res_decode.py ;;
     esac
   done
