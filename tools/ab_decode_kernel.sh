@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Builds of the per-token kernel (k3_ops/kernels/attn_res_decode.py) timed in turn in one device call: this tree
-# ("a") and one copy of it per SIDES entry "name:file", with that file in place of attn_res_decode.py (a file
-# ending in .patch is applied to the copy instead, `patch -p1`, for a change beyond that file; "name:f1+f2" applies
-# both in turn); each pass
-# runs tools/plan_variants.py on SECTIONS (default one_tile_blocks layer_table: the table at T = 1..512,
-# K = 1..4, plain and fused, and the layer step at T = 1, 8, 64, 512), in ORDER (default: a, the sides, the sides
-# again reversed, a). Only the Python kernels differ between the builds; the C++ extension built here is shared.
+# ("a") and one copy of it per SIDES entry "name:file", with that file in place of attn_res_decode.py, or, for a
+# file ending in .patch, that patch applied to the copy (`patch -p1`: changes beyond that file, e.g.
+# tools/ab_score/); "name:f1+f2" applies both in turn. Each pass runs tools/plan_variants.py on SECTIONS (default
+# one_tile_blocks layer_table: the table at T = 1..512, K = 1..4, plain and fused, and the layer step at T = 1, 8,
+# 64, 512), in ORDER (default: a, the sides, the sides again reversed, a). Only the Python kernels differ between
+# the builds; the C++ extension built here is shared.
 # Usage, on the GPU machine from the repository root after an in-place build:
 #   K3_OPS_COMMIT=<commit> OUT=<dir> SIDES="b:old.py c:new.py" tools/ab_decode_kernel.sh
 set -u
