@@ -360,21 +360,66 @@ def one_tile_cases() -> list[tuple[str, str, dict]]:
     return cases
 
 
-def load_schedule(cubin: bytes) -> dict:
-    """Where a kernel's global loads sit in its sm_90 SASS (nvdisasm of ``cubin``, Triton's bundled one): the
-    instruction count, the index of every LDG and of the first warp shuffle (the first cross-thread reduction step).
-    Loads issued well after the others, among the arithmetic on the first ones, mean a schedule that works on the
-    rows already in while the rest are in flight (docs/benchmarks.md, "The op's steps on a one-tile floor")."""
+def sass(cubin: bytes) -> list[str]:
+    """The instruction lines of a cubin's sm_90 SASS (nvdisasm, Triton's bundled one), labels kept as lines that
+    start with '.L_'."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
         text = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
-    code = [line for line in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    return [line.strip() for line in text.splitlines()
+            if re.match(r"\s+/\*[0-9a-f]{4}\*/", line) or re.match(r"\.L_x_\d+:", line.strip())]
+
+
+def load_schedule(cubin: bytes) -> dict:
+    """Where a kernel's global loads sit in its sm_90 SASS (``sass``): the instruction count, the index of every LDG
+    and of the first warp shuffle (the first cross-thread reduction step).
+    Loads issued well after the others, among the arithmetic on the first ones, mean a schedule that works on the
+    rows already in while the rest are in flight (docs/benchmarks.md, "The op's steps on a one-tile floor")."""
+    code = [line for line in sass(cubin) if not line.startswith(".L_")]
     ldg = [i for i, line in enumerate(code) if "LDG" in line]
     shfl = next((i for i, line in enumerate(code) if "SHFL" in line), len(code))
     return {"instructions": len(code), "ldg": ldg, "first_shuffle": shfl}
+
+
+#: The opcodes ``sass_counts`` reports: barriers and warp shuffles (the reductions' rounds), the special-function
+#: unit (rsqrt, exp, reciprocal), subroutine calls (the correctly rounded sqrt and division's slow paths), the
+#: global loads (LDGSTS: asynchronous copies into shared memory) and stores.
+COUNTED = ("BAR", "SHFL", "MUFU", "CALL", "LDG", "LDGSTS", "STG")
+
+
+def sass_counts(cubin: bytes) -> dict:
+    """A kernel's sm_90 instruction count, the COUNTED opcodes' counts, and the length of its longest loop (the
+    instructions from a backward branch's target to the branch: a loop body, 0 without a loop)."""
+    labels, code, loop = {}, [], 0
+    for line in sass(cubin):
+        if line.startswith(".L_"):
+            labels[line[:-1]] = len(code)
+            continue
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if target and target.group(1) in labels:
+            loop = max(loop, len(code) - labels[target.group(1)])
+        code.append(line)
+    ops = [re.sub(r"^/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split(" ")[0].split(".")[0] for line in code]
+    return {"instructions": len(code), **{op: ops.count(op) for op in COUNTED}, "loop_body": loop}
+
+
+def count_cases() -> list[tuple[str, bytes]]:
+    """(name, cubin) of the per-token kernel's plans as the CUDA table launches them at H = 7168 (bf16 rows and
+    weights): the one-tile plan at K = 1, 2, 4 and the one-row loop plan (4 warps, 3 stages, the prefix first;
+    K = 5..8 from 129 tokens), each plain, fused (addend, snapshot, output norm) and serving (in place)."""
+    cases = []
+    for name, fused in (("plain", None), ("fused", FUSED_ALL), ("serving", SERVING)):
+        for K in (1, 2, 4):
+            rows = 1 << (K - 1).bit_length()
+            ahead = fused is not None and rows <= 2
+            cases.append((f"one-tile-k{K}-{name}", token(rows=rows, one_tile=True, fused=fused, onw_ahead=ahead,
+                                                         asm="cubin", weights="bf16")[0]))
+        cases.append((f"loop-w4-s3-{name}", token(rows=1, num_warps=4, num_stages=3, prefix_first=True, fused=fused,
+                                                  asm="cubin", weights="bf16")[0]))
+    return cases
 
 
 def schedule_cases() -> list[tuple[str, bytes]]:
@@ -404,9 +449,17 @@ def main() -> None:
     ``--json`` prints {"triton": version, "ptxas": [path, CUDA release] or null, "cases": {name: resources}} for
     ``budget_cases()`` instead (used by tests/test_register_budget.py; no cases where there is no ptxas);
     ``--store-order`` prints the same with {name: store_order(...)} for ``ORDER_CASES`` (tests/test_store_order.py);
-    ``--schedule`` the global loads' places in the sm_90 SASS of ``schedule_cases()`` (``load_schedule``)."""
+    ``--schedule`` the global loads' places in the sm_90 SASS of ``schedule_cases()`` (``load_schedule``);
+    ``--counts`` the instruction counts of ``count_cases()`` (``sass_counts``)."""
     args = sys.argv[1:]
     found = find_ptxas()
+    if args[:1] == ["--counts"]:
+        print(f"triton {triton.__version__}: name, instructions, {', '.join(COUNTED)}, loop body")
+        for name, cubin in count_cases():
+            r = sass_counts(cubin)
+            print(f"{name:22s} {r['instructions']:5d} " + " ".join(f"{op} {r[op]:3d}" for op in COUNTED)
+                  + f" loop {r['loop_body']}")
+        return
     if args[:1] == ["--schedule"]:
         print(f"triton {triton.__version__}: name, instructions, LDG indices, first shuffle")
         for name, cubin in schedule_cases():
