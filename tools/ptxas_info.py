@@ -151,11 +151,11 @@ def token(dtype="bf16", block_h=8192, rows=4, num_warps=8, num_stages=1, fused=N
     sig, const = rows_signature(dtype, fused or {})
     sig["nw_ptr"] = sig["pw_ptr"] = f"*{weights}"
     del sig["PREFETCH"]
-    for name in ("ROWS", "USE_PDL", "ONE_TILE", "ONW_AHEAD", "PREFIX_FIRST", "NORM_GRAM"):
+    for name in ("ROWS", "USE_PDL", "ONE_TILE", "ONW_AHEAD", "PREFIX_FIRST", "NORM_GRAM", "H_EXACT"):
         sig[name] = "constexpr"
     const.update(BLOCK_H=block_h, ROWS=rows, VEC=8 if dtype != "fp32" else 4, H_STRIDED=False, ACC64=acc64,
                  NUM_STAGES=num_stages, USE_PDL=True, ONE_TILE=one_tile, ONW_AHEAD=onw_ahead,
-                 PREFIX_FIRST=prefix_first, NORM_GRAM=norm_gram)
+                 PREFIX_FIRST=prefix_first, NORM_GRAM=norm_gram, H_EXACT=7168)
     src = _source(attn_res_decode.attn_res_token_kernel, sig, const)
     k = triton.compile(src, target=TARGET, options=_options(num_warps))
     return k.asm[asm], k.metadata.shared

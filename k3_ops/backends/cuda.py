@@ -639,7 +639,8 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
     if fused is not None:
         for name, value in fused_kernel_args(fused, vec).items():
             (flags if name.isupper() else runtime)[name] = value
-    key = (plan, vec, h_strided, *flags.items())
+    # The per-token kernel takes H as a constexpr (H_EXACT): part of its key.
+    key = (plan, vec, h_strided, *flags.items(), *((H,) if plan.kernel == "token" else ()))
 
     def constexprs() -> dict:
         # fp32 I/O scores in FP64 (see kernels/attn_res_fwd.py, _stats): part of the compile key via the dtype.
@@ -656,7 +657,7 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
             ahead = (flags.get("OUT_NORM", False) and not flags.get("FP8_OUT", False) and plan.rows_per_tile <= 2
                      and plan.num_warps >= 8)
             return dict(BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile, NUM_STAGES=plan.num_stages,
-                        USE_PDL=plan.pdl, **common, **({"ONW_AHEAD": True} if ahead else {}),
+                        USE_PDL=plan.pdl, H_EXACT=H, **common, **({"ONW_AHEAD": True} if ahead else {}),
                         **({"ONE_TILE": True} if plan.one_tile else {}),
                         **({"PREFIX_FIRST": True} if plan.prefix_first else {}),
                         **({"NORM_GRAM": True, "GRAM_TAU": plan.gram_tau}

@@ -40,7 +40,8 @@ cancel: its FP32 error would show) the norm reduces over the mix as without it (
 
 Recompile safety: T, K, every stride and write_idx are runtime arguments in ``do_not_specialize``; the compile
 key is (dtype, BLOCK_H, ROWS, VEC, H_STRIDED, ACC64, NUM_STAGES, USE_PDL, the fused flags, ONW_AHEAD, ONE_TILE,
-PREFIX_FIRST, NORM_GRAM, GRAM_TAU, num_warps).
+PREFIX_FIRST, NORM_GRAM, GRAM_TAU, H_EXACT, num_warps): the hidden size is a compile-time constant (H_EXACT, one
+compile per model), the token count never.
 """
 from __future__ import annotations
 
@@ -228,7 +229,14 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                           FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False,
                           FP8_MAX: tl.constexpr = 448.0, ONW_AHEAD: tl.constexpr = False,
                           ONE_TILE: tl.constexpr = False, PREFIX_FIRST: tl.constexpr = False,
-                          NORM_GRAM: tl.constexpr = False, GRAM_TAU: tl.constexpr = 0.015625):
+                          NORM_GRAM: tl.constexpr = False, GRAM_TAU: tl.constexpr = 0.015625,
+                          H_EXACT: tl.constexpr = 0):
+    if H_EXACT > 0:
+        # The hidden size as a compile-time constant (the launch passes it; one compile per model): the column
+        # mask is then known per register wherever a whole register's columns lie past H, so their loads, their
+        # arithmetic and their stores compile away. With 4 warps (1024 columns per layout repetition) that is
+        # the last of BLOCK_H = 8192's eight repetitions at H = 7168, an eighth of the loop's per-column work.
+        H = H_EXACT
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     gram_ss, gram_ok = 0.0, False  # NORM_GRAM sets them (the output norm's sum of squares, and its guard)
