@@ -10,8 +10,8 @@
 // (arrive.release, wait.acquire) publishes them, and every CTA sums its own inbox's CS partials in rank order (so
 // all ranks compute identical scores), takes the softmax and writes its columns of the output. No workspace, no
 // global barrier, nothing shared between launches: concurrent calls on any streams are independent. Numerics: FP32
-// throughout (the score as the Triton kernels compute it: correctly rounded sqrt and reciprocal); the summation
-// order differs from theirs, so bits differ, within the accuracy contract.
+// throughout (the score from correctly rounded sqrt and reciprocal; the per-token Triton kernel's 1 / sqrt is
+// within 1 ulp of it); that and the summation order differ from theirs, so bits differ, within the accuracy contract.
 //
 // The fused calls run here too (addend, new_prefix or in-place prefix, snapshot, output RMSNorm), so that their mix
 // is attn_res's bit for bit on every path. The norm's sum of squares is a second exchange of one partial per CTA,

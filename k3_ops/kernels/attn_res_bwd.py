@@ -170,7 +170,7 @@ def _df_softmax_backward(ss_hi, ss_lo, d_hi, d_lo, g_hi, g_lo, valid, H, eps):
 @triton.jit
 def _softmax_backward(ss, d, g, valid, H, eps, ACC64: tl.constexpr):
     """The per-token scalar chain on [K_PAD] statistics (FP64 under ACC64: IEEE sqrt and division; FP32: correctly
-    rounded sqrt / division, as in the forward's score): r = rsqrt(ss / H + eps), p = softmax(r d),
+    rounded sqrt / division): r = rsqrt(ss / H + eps), p = softmax(r d),
     gs = p (g - sum p g), c = d r^3 / H (coefficient of v_i in d s_i / d v_i), a = gs r (coefficient of v_i in
     dw). Returns p, gs, r, c, a in FP32, zero on padding rows."""
     if ACC64:

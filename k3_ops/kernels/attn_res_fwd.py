@@ -117,12 +117,32 @@ def _acc_full(shape, value, ACC64: tl.constexpr):
 
 
 @triton.jit
-def _score(ss, d, H, eps, ACC64: tl.constexpr):
-    # Correctly rounded sqrt and division: the score feeds exp(), so approximate rsqrt error would show up
-    # directly in the weights; this costs one op per candidate row, nothing per element. (FP64 sqrt and
-    # division are IEEE-rounded already; sqrt_rn / div_rn exist for FP32 only.)
+def _rsqrt(x):
+    # 1 / sqrt(x) in FP32 within 1 ulp: the hardware's approximate rsqrt (relative error up to 2^-22.9, about 2.6
+    # ulp) and one Newton step, r + r (1 - x r^2) / 2 with the residual in one FMA. A branch-free handful of
+    # instructions where the correctly rounded sqrt and division, 1 / sqrt_rn(x) (up to 1.5 ulp: two roundings),
+    # each take a subroutine with a slow path. Two edges: the approximate rsqrt flushes subnormal x to zero, so
+    # such x are scaled by 2^64 first (the result by 2^32 after, both exact); x = inf gives r = 0 and a NaN
+    # residual, which keeps r (1 / sqrt(inf) = 0), as NaN x keeps NaN.
+    tiny = x < 1.1754943508222875e-38
+    xs = tl.where(tiny, x * 18446744073709551616.0, x)
+    r = tl.rsqrt(xs)
+    e = tl.fma(-(xs * r), r, 1.0)
+    r = tl.where(e == e, tl.fma(0.5 * r, e, r), r)
+    return tl.where(tiny, r * 4294967296.0, r)
+
+
+@triton.jit
+def _score(ss, d, H, eps, ACC64: tl.constexpr, REFINED: tl.constexpr = False):
+    # The score's 1 / sqrt within 1 ulp: it feeds exp(), so the approximate rsqrt's error alone would show in the
+    # weights; a few ops per candidate row, nothing per element. REFINED (the per-token kernel): _rsqrt; otherwise
+    # correctly rounded sqrt and division (the rows and split kernels: there _rsqrt made the plain rows kernel
+    # 1-1.5 % slower at T = 4096, K = 1..2, docs/benchmarks.md, "The op's steps on a one-tile floor"). (FP64 sqrt
+    # and division are IEEE-rounded already.)
     if ACC64:
         return d / tl.sqrt(ss / H + eps)
+    elif REFINED:
+        return _rsqrt(ss / H + eps) * d
     else:
         return tl.div_rn(1.0, tl.sqrt_rn(ss / H + eps)) * d
 
@@ -187,9 +207,12 @@ def _round_mix(mix, io_ptr):
 
 
 @triton.jit
-def _norm_scale(ss, H, out_eps):
-    # rsqrt(mean(x^2) + eps), correctly rounded (as in _score).
-    return tl.div_rn(1.0, tl.sqrt_rn(ss / H + out_eps))
+def _norm_scale(ss, H, out_eps, REFINED: tl.constexpr = False):
+    # rsqrt(mean(x^2) + eps) within 1 ulp, in _score's form (REFINED: _rsqrt; otherwise correctly rounded).
+    if REFINED:
+        return _rsqrt(ss / H + out_eps)
+    else:
+        return tl.div_rn(1.0, tl.sqrt_rn(ss / H + out_eps))
 
 
 @triton.jit
@@ -315,9 +338,9 @@ def _fp8_bits(y, scale, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
 def _serving_row_out(out_ptr, io_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot,
                      VEC: tl.constexpr, OUT_NORM: tl.constexpr, NORM_FP32_MIX: tl.constexpr, FP8_OUT: tl.constexpr,
                      FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, NPU_NORM_SCALE: tl.constexpr = False,
-                     gram_ss=0.0, gram_ok=False, NORM_GRAM: tl.constexpr = False):
+                     gram_ss=0.0, gram_ok=False, NORM_GRAM: tl.constexpr = False, REFINED: tl.constexpr = False):
     # NPU_NORM_SCALE: the norm's scale in the form triton-ascend lowers (_norm_scale_npu: no scalar div_rn).
-    # NORM_GRAM: the norm's sum of squares given (gram_ss where gram_ok; see _norm_sum_sq).
+    # NORM_GRAM: the norm's sum of squares given (gram_ss where gram_ok; see _norm_sum_sq). REFINED: _norm_scale's.
     y = mix
     if OUT_NORM:
         x = _norm_input(mix, hmask, io_ptr, NORM_FP32_MIX)
@@ -325,7 +348,7 @@ def _serving_row_out(out_ptr, io_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H
         if NPU_NORM_SCALE:
             scale = _norm_scale_npu(ss, H, out_eps)
         else:
-            scale = _norm_scale(ss, H, out_eps)
+            scale = _norm_scale(ss, H, out_eps, REFINED)
         y = _apply_out_norm(x, scale, onw_ptr, cols, hmask)
     if FP8_OUT:
         # The output as the model dtype holds it, then its per-token scale and FP8 bits.
@@ -343,16 +366,16 @@ def _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_
                       VEC: tl.constexpr, H_STRIDED: tl.constexpr, HAS_ADDEND: tl.constexpr, SNAPSHOT: tl.constexpr,
                       OUT_NORM: tl.constexpr, INPLACE_PREFIX: tl.constexpr, NORM_FP32_MIX: tl.constexpr,
                       FP8_OUT: tl.constexpr, FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, gram_ss=0.0,
-                      gram_ok=False, NORM_GRAM: tl.constexpr = False):
+                      gram_ok=False, NORM_GRAM: tl.constexpr = False, REFINED: tl.constexpr = False):
     # A complete token row (rows kernel, per-token kernel): v is its prefix candidate (the new prefix), mix its
-    # FP32 mix; NORM_GRAM: the norm's sum of squares given (_norm_sum_sq).
+    # FP32 mix; NORM_GRAM: the norm's sum of squares given (_norm_sum_sq); REFINED: _norm_scale's.
     _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt, stride_ph,
                           stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT,
                           INPLACE_PREFIX)
     # K = 0: the mix IS the new prefix (attn_res's exact copy); 0 * acc + 1 * v would turn -0.0 into +0.0.
     mix = tl.where(K == 0, v.to(tl.float32), mix)
     _serving_row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC,
-                     OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, False, gram_ss, gram_ok, NORM_GRAM)
+                     OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, False, gram_ss, gram_ok, NORM_GRAM, REFINED)
 
 
 # --------------------------------------------------------------------------------------------------------------
