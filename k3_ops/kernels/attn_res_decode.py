@@ -296,8 +296,10 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         m = tl.maximum(tl.max(s, axis=0), s_v)
         p = tl.exp(s - m)
         p_v = tl.exp(s_v - m)
-        acc = tl.sum(p.to(tl.float32)[:, None] * x, axis=0) + p_v.to(tl.float32) * vf
-        mix = acc / (tl.sum(p, axis=0) + p_v).to(tl.float32)
+        # The weights normalised before the sum (as the softmax of the eager formula): K + 1 scalar products here
+        # instead of a division of every column after it.
+        inv_l = 1.0 / (tl.sum(p, axis=0) + p_v)
+        mix = tl.sum((p * inv_l).to(tl.float32)[:, None] * x, axis=0) + (p_v * inv_l).to(tl.float32) * vf
         if NORM_GRAM:
             # |mix|^2 from the statistics: the prefix row's own ss_v, its products c with the block rows, and
             # theirs among them (_gram_stats); no reduction over the mix (see _gram_result).
