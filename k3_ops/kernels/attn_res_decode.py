@@ -80,7 +80,7 @@ def _fold_row(x, w, m, l_sum, acc, H, eps, ACC64: tl.constexpr):
     # compiles to other sm_90 code, and this is the code timed against it (docs/benchmarks.md, "The statistics
     # in one reduction").
     ss, d = _stats(x, w, 0, ACC64, True)
-    s = _score(ss, d, H, eps, ACC64, True)
+    s = _score(ss, d, H, eps, ACC64, REFINED=True)
     m_new = tl.maximum(m, s)
     p = tl.exp(s - m_new)
     alpha = tl.exp(m - m_new)
@@ -101,7 +101,7 @@ def _fold_row_gram(x, w, m, l_sum, acc, A, B, H, eps, ACC64: tl.constexpr):
         ss, d, c = tl.sum(x * x, axis=0), tl.sum(x * w, axis=0), tl.sum(x * acc, axis=0)
     else:
         ss, d, c = tl.reduce((x * x, x * w, x * acc), 0, _sum3)
-    s = _score(ss, d, H, eps, ACC64, True)
+    s = _score(ss, d, H, eps, ACC64, REFINED=True)
     m_new = tl.maximum(m, s)
     p = tl.exp(s - m_new)
     alpha = tl.exp(m - m_new)
@@ -291,8 +291,8 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         else:
             ss, d = _stats(x, w[None, :], 1, ACC64, True)
         ss_v, d_v = _stats(vf, w, 0, ACC64, True)
-        s = tl.where(r < K, _score(ss, d, H, eps, ACC64, True), -float("inf"))
-        s_v = _score(ss_v, d_v, H, eps, ACC64, True)
+        s = tl.where(r < K, _score(ss, d, H, eps, ACC64, REFINED=True), -float("inf"))
+        s_v = _score(ss_v, d_v, H, eps, ACC64, REFINED=True)
         m = tl.maximum(tl.max(s, axis=0), s_v)
         p = tl.exp(s - m)
         p_v = tl.exp(s_v - m)
@@ -320,7 +320,7 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
             # the row has entered (the in-place prefix: see the one-tile branch above).
             vf = v.to(tl.float32)
             ss_v, d_v = _stats(vf, w, 0, ACC64, True)
-            m = _score(ss_v, d_v, H, eps, ACC64, True)
+            m = _score(ss_v, d_v, H, eps, ACC64, REFINED=True)
             l_sum = _acc_full([], 1.0, ACC64)
             acc = vf
             if NORM_GRAM:
@@ -351,7 +351,7 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                 ss, d, c, g1, g2 = _gram_stats(x, w[None, :], acc, r, ROWS, ACC64)
             else:
                 ss, d = _stats(x, w[None, :], 1, ACC64, True)
-            s = tl.where(i < K, _score(ss, d, H, eps, ACC64, True), -float("inf"))
+            s = tl.where(i < K, _score(ss, d, H, eps, ACC64, REFINED=True), -float("inf"))
             m_new = tl.maximum(m, tl.max(s, axis=0))
             p = tl.exp(s - m_new)
             alpha = tl.exp(m - m_new)
@@ -378,7 +378,7 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
         if not PREFIX_FIRST:
             mix = tl.where(K == 0, v.to(tl.float32), mix)
         x = _norm_input(mix, hmask, prefix_ptr, NORM_FP32_MIX)
-        scale = _norm_scale(_norm_sum_sq(x, gram_ss, gram_ok, NORM_GRAM), H, out_eps, True)
+        scale = _norm_scale(_norm_sum_sq(x, gram_ss, gram_ok, NORM_GRAM), H, out_eps, REFINED=True)
         _store_out(out_ptr, t, cols, hmask, x * scale * g, stride_ot, VEC)
     elif FUSED and (ONE_TILE or PREFIX_FIRST):
         # The output side only: the new prefix and the snapshot are stored above. K = 0: the mix IS the new prefix
@@ -387,13 +387,13 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
             mix = tl.where(K == 0, v.to(tl.float32), mix)
         _serving_row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC,
                          OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, False, gram_ss, gram_ok, NORM_GRAM,
-                         True)
+                         REFINED=True)
     elif FUSED:
         # The rows kernel's epilogue: new_prefix (or, INPLACE_PREFIX, prefix itself: this program read its row
         # above and no other program touches it), the snapshot, the output norm and the FP8 output.
         _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_ptr, t, cols, hmask, mix, v, K,
                           H, out_eps, stride_ot, stride_nt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh,
                           write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT, OUT_NORM, INPLACE_PREFIX, NORM_FP32_MIX,
-                          FP8_OUT, FP8_FNUZ, FP8_MAX, gram_ss, gram_ok, NORM_GRAM, True)
+                          FP8_OUT, FP8_FNUZ, FP8_MAX, gram_ss, gram_ok, NORM_GRAM, REFINED=True)
     else:
         _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)
