@@ -29,6 +29,8 @@ FORCED = {
     # The table's plan at K = 9..16, 129-512 tokens: one row, 4 stages, the prefix first.
     "token-1row-s4-prefix-first": dict(kernel="token", rows_per_tile=1, num_warps=4, num_stages=4, prefix_first=True),
     "token-onetile": dict(kernel="token", rows_per_tile=0, num_warps=8),  # every block row in one tile
+    # The same with the output norm's weight loaded after the mix where the default loads it ahead (K <= 2).
+    "token-onetile-after": dict(kernel="token", rows_per_tile=0, num_warps=8, onw_ahead=False),
     # The output norm's sum of squares from the statistics (LaunchConfig.norm_gram): one tile, the loops of 1, 2
     # and 4 rows with the prefix first and last.
     "token-onetile-gram": dict(kernel="token", rows_per_tile=0, num_warps=8, norm_gram=True),
@@ -225,6 +227,35 @@ def test_norm_gram_correlated_candidates(path: str, K: int, device: str, monkeyp
     rtol = NORM_RTOL[torch.bfloat16] * (2 if device == "cpu" else 1)  # the interpreter's truncating bf16 store
     out, expected = _gram_call(args, path, 0.0, monkeypatch)
     torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
+@pytest.mark.parametrize("K", [0, 1, 2], ids=lambda k: f"K{k}")
+def test_onw_ahead_keeps_bits(K: int, device: str, monkeypatch):
+    """Where the output norm's weight is loaded (with the inputs or after the mix: LaunchConfig.onw_ahead) moves
+    only a load: out and new_prefix are the same bits either way."""
+    from k3_ops.backends import cuda
+
+    if device == "cpu" and not triton_interpreted():
+        pytest.skip("CPU tensors reach the Triton kernels only under the interpreter (TRITON_INTERPRET=1)")
+    case = FusedCase(Sample(T=3, K=K, cap=K + 2, H=96 if device == "cpu" else 7168, dtype=torch.bfloat16),
+                     norm="own")
+    dev = torch.device(device)
+    # The default: ahead where the tiles have at most 2 rows over 8 warps (the one tile at K <= 2), not with 4 rows.
+    assert cuda.choose_config(3, K, case.base.H, dev, cuda.LaunchConfig(kernel="token", rows_per_tile=0,
+                                                                         num_warps=8)).onw_ahead
+    assert not cuda.choose_config(3, 4, case.base.H, dev, cuda.LaunchConfig(kernel="token", rows_per_tile=0,
+                                                                             num_warps=8)).onw_ahead
+    results = {}
+    for ahead in (True, False):
+        config = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, onw_ahead=ahead)
+        assert cuda.choose_config(3, K, case.base.H, dev, config).onw_ahead is ahead
+        cuda.clear_plan_cache()  # no launch recorded for the other plan is replayed (the C++ launch path)
+        monkeypatch.setattr(cuda, "choose_config", lambda T, K, H, d, cfg=None, c=config: cuda._resolve(K, H, d, c))
+        results[ahead] = [bits(t) for t in cuda.fused_attn_res(*positional(case.make(device)))]
+        monkeypatch.undo()
+    cuda.clear_plan_cache()
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False])), "out or new_prefix differ"
 
 
 def cuda_default_gram_tau() -> float:

@@ -285,6 +285,8 @@ def test_cuda_launch_table_overrides():
         cuda.LaunchConfig(kernel="stream", norm_gram=True)
     with pytest.raises(ValueError, match=r"LaunchConfig.gram_tau must be >= 0, got -0.5"):
         cuda.LaunchConfig(kernel="token", norm_gram=True, gram_tau=-0.5)
+    with pytest.raises(ValueError, match=r"LaunchConfig.onw_ahead is the token path's only, got kernel 'rows'"):
+        cuda.LaunchConfig(kernel="rows", onw_ahead=False)
     # The Gram norm where the resolved tiles have at most 4 rows (a one-tile plan at K <= 4), else without it; no
     # table entry sets it.
     gram = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, norm_gram=True)

@@ -346,7 +346,8 @@ def loop_cases() -> list[tuple[str, str, dict]]:
 def one_tile_cases() -> list[tuple[str, str, dict]]:
     """The one-tile plan (``LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8)``, the table's at K <= 4 up to
     512 tokens) at K = 1, 2, 4 (tiles of 1, 2 and 4 rows, H = 7168), plain and fused with every flag, the output
-    norm's weight ahead where the policy loads it so (at most two rows over 8 warps)."""
+    norm's weight ahead where the policy loads it so (at most two rows over 8 warps), and there also without it
+    (``-fused-after``, ``LaunchConfig.onw_ahead`` False: the registers that decide 1 or 2 programs per SM)."""
     from k3_ops.backends import cuda
 
     config = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8)
@@ -356,7 +357,9 @@ def one_tile_cases() -> list[tuple[str, str, dict]]:
         kw = dict(rows=plan.rows_per_tile, num_warps=plan.num_warps, num_stages=plan.num_stages, one_tile=True)
         cases.append((f"forward-one-tile-k{K}", "token", kw))
         cases.append((f"forward-one-tile-k{K}-fused", "token",
-                      dict(kw, fused=FUSED_ALL, onw_ahead=plan.rows_per_tile <= 2 and plan.num_warps >= 8)))
+                      dict(kw, fused=FUSED_ALL, onw_ahead=plan.onw_ahead)))
+        if plan.onw_ahead:
+            cases.append((f"forward-one-tile-k{K}-fused-after", "token", dict(kw, fused=FUSED_ALL)))
     return cases
 
 

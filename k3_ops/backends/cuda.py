@@ -219,6 +219,11 @@ class LaunchConfig:
         tolerance).
     gram_tau: with norm_gram, the guard: where |mix|^2 < gram_tau (sum_i p_i |v_i|)^2 (candidates that cancel),
         the norm reduces over its input as without norm_gram.
+    onw_ahead: token path, fused calls with the output norm and no FP8 output: load the norm's weight with the
+        inputs (``ONW_AHEAD``: its round trip hides behind theirs) rather than after the mix; the same bits either
+        way. None: where the tiles have at most 2 rows over at least 8 warps. Ahead costs registers: the one-tile
+        plan's fused call at K = 1 takes 154 with it and 122 without (sm_90, triton 3.6), one program of 8 warps
+        per SM against two.
     """
 
     kernel: str = "rows"
@@ -238,6 +243,7 @@ class LaunchConfig:
     prefix_first: bool = False
     norm_gram: bool = False
     gram_tau: float = 2.0 ** -6
+    onw_ahead: bool | None = None
 
     def __post_init__(self):
         if self.kernel not in ("token", "rows", "split", "tiles", "cluster", "stream"):
@@ -268,6 +274,8 @@ class LaunchConfig:
                              f"1, 2 or 4, only; got kernel {self.kernel!r}, rows_per_tile {self.rows_per_tile}")
         if not self.gram_tau >= 0.0:
             raise ValueError(f"LaunchConfig.gram_tau must be >= 0, got {self.gram_tau}")
+        if self.onw_ahead is not None and self.kernel != "token":
+            raise ValueError(f"LaunchConfig.onw_ahead is the token path's only, got kernel {self.kernel!r}")
 
 
 T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 62)
@@ -468,6 +476,7 @@ class _Plan:
     prefix_first: bool = False  # token with a loop: the prefix candidate folded before the block rows
     norm_gram: bool = False  # token (tiles of at most 4 rows), cluster: the norm's sum of squares from the statistics
     gram_tau: float = 0.0  # with norm_gram: its guard (LaunchConfig.gram_tau)
+    onw_ahead: bool = False  # token: a fused call's output norm weight loaded with the inputs (no FP8 output)
     pdl: bool = False  # token, rows, cluster, stream
     tokens_per_prog: int = 1  # tiles
     ctas_per_sm: int = 0  # rows
@@ -569,9 +578,14 @@ def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Pla
                 # of 8192 columns would not fit the shared memory).
                 rows, one_tile = 4, False
         gram = config.norm_gram and rows <= 4
-        return _Plan("token", config.num_warps or _rows_warps(block_h), block_h=block_h, rows_per_tile=rows,
-                     one_tile=one_tile, prefix_first=config.prefix_first and not one_tile, norm_gram=gram,
-                     gram_tau=config.gram_tau if gram else 0.0, pdl=pdl, num_stages=stages, maxnreg=config.maxnreg)
+        warps = config.num_warps or _rows_warps(block_h)
+        # The output norm's weight ahead by default where it costs no spill: same run, the fused call at K = 1 / 2,
+        # T = 1..128 3.38-4.61 us against 3.52-4.69; 4-row tiles and 4 warps spill.
+        ahead = rows <= 2 and warps >= 8 if config.onw_ahead is None else config.onw_ahead
+        return _Plan("token", warps, block_h=block_h, rows_per_tile=rows, one_tile=one_tile,
+                     prefix_first=config.prefix_first and not one_tile, norm_gram=gram,
+                     gram_tau=config.gram_tau if gram else 0.0, onw_ahead=ahead, pdl=pdl, num_stages=stages,
+                     maxnreg=config.maxnreg)
     if config.kernel == "split":
         k_pad = next_power_of_2(K + 1)
         chunk = min(config.chunk, block_h)
@@ -652,10 +666,9 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
         if plan.pdl:
             common["launch_pdl"] = True
         if plan.kernel == "token":
-            # The output norm's weight loaded ahead where it costs no spill (kernels/attn_res_decode.py): same run,
-            # the fused call at K = 1 / 2, T = 1..128 3.38-4.61 us against 3.52-4.69; 4-row tiles and 4 warps spill.
-            ahead = (flags.get("OUT_NORM", False) and not flags.get("FP8_OUT", False) and plan.rows_per_tile <= 2
-                     and plan.num_warps >= 8)
+            # The output norm's weight loaded ahead (kernels/attn_res_decode.py) where the plan says so
+            # (LaunchConfig.onw_ahead); the FP8 output has only the other epilogue.
+            ahead = plan.onw_ahead and flags.get("OUT_NORM", False) and not flags.get("FP8_OUT", False)
             return dict(BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile, NUM_STAGES=plan.num_stages,
                         USE_PDL=plan.pdl, H_EXACT=H, **common, **({"ONW_AHEAD": True} if ahead else {}),
                         **({"ONE_TILE": True} if plan.one_tile else {}),
