@@ -242,17 +242,13 @@ def test_onw_ahead_keeps_bits(K: int, device: str, monkeypatch):
                      norm="own")
     dev = torch.device(device)
     # The default: ahead where the tiles have at most 2 rows over 8 warps (the one tile at K <= 2), not with 4 rows.
-    assert cuda.choose_config(3, K, case.base.H, dev, cuda.LaunchConfig(kernel="token", rows_per_tile=0,
-                                                                         num_warps=8)).onw_ahead
-    assert not cuda.choose_config(3, 4, case.base.H, dev, cuda.LaunchConfig(kernel="token", rows_per_tile=0,
-                                                                             num_warps=8)).onw_ahead
+    assert cuda.choose_config(3, K, case.base.H, dev, _forced("token-onetile")).onw_ahead
+    assert not cuda.choose_config(3, 4, case.base.H, dev, _forced("token-onetile")).onw_ahead
+    assert not cuda.choose_config(3, K, case.base.H, dev, _forced("token-onetile-after")).onw_ahead
     results = {}
-    for ahead in (True, False):
-        config = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, onw_ahead=ahead)
-        assert cuda.choose_config(3, K, case.base.H, dev, config).onw_ahead is ahead
+    for ahead, path in ((True, "token-onetile"), (False, "token-onetile-after")):
         cuda.clear_plan_cache()  # no launch recorded for the other plan is replayed (the C++ launch path)
-        monkeypatch.setattr(cuda, "choose_config", lambda T, K, H, d, cfg=None, c=config: cuda._resolve(K, H, d, c))
-        results[ahead] = [bits(t) for t in cuda.fused_attn_res(*positional(case.make(device)))]
+        results[ahead] = [bits(t) for t in _run_policy(case, case.make(device), path, monkeypatch)[:2]]
         monkeypatch.undo()
     cuda.clear_plan_cache()
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False])), "out or new_prefix differ"
