@@ -222,8 +222,8 @@ class LaunchConfig:
     onw_ahead: token path, fused calls with the output norm and no FP8 output: load the norm's weight with the
         inputs (``ONW_AHEAD``: its round trip hides behind theirs) rather than after the mix; the same bits either
         way. None: where the tiles have at most 2 rows over at least 8 warps. Ahead costs registers: the one-tile
-        plan's fused call at K = 1 takes 154 with it and 122 without (sm_90, triton 3.6), one program of 8 warps
-        per SM against two.
+        plan's fused call at K = 1 takes 154 with it and 122 without (sm_90, triton 3.6, bf16 weights), one
+        program of 8 warps per SM against two.
     """
 
     kernel: str = "rows"
@@ -580,7 +580,9 @@ def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Pla
         gram = config.norm_gram and rows <= 4
         warps = config.num_warps or _rows_warps(block_h)
         # The output norm's weight ahead by default where it costs no spill: same run, the fused call at K = 1 / 2,
-        # T = 1..128 3.38-4.61 us against 3.52-4.69; 4-row tiles and 4 warps spill.
+        # T = 1..128 3.38-4.61 us against 3.52-4.69; 4-row tiles and 4 warps spill. Not timed above 128 tokens,
+        # where at K = 1 it costs a second program per SM (docs/benchmarks.md, "The output norm's weight ahead,
+        # above 128 tokens").
         ahead = rows <= 2 and warps >= 8 if config.onw_ahead is None else config.onw_ahead
         return _Plan("token", warps, block_h=block_h, rows_per_tile=rows, one_tile=one_tile,
                      prefix_first=config.prefix_first and not one_tile, norm_gram=gram,
