@@ -12,6 +12,7 @@ These tests skip on GPU machines (kernels are compiled for the GPU there); the C
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -258,6 +259,12 @@ def test_cuda_launch_table_overrides():
         plan = cuda.choose_config(last, K, 7168, torch.device("cpu"))
         assert plan.kernel == "token" and (K <= 2 or (plan.rows_per_tile, plan.num_stages) == (1, 3)), K
         assert cuda.choose_config(last + 1, K, 7168, torch.device("cpu")).kernel == "rows", K
+    # The one-tile plan at K <= 2 loads the fused call's output norm weight ahead up to 128 tokens and after the
+    # mix above (fewer registers, two programs per SM); with 4 rows after at every T (ahead spills).
+    for T, K, ahead in ((65, 1, True), (128, 2, True), (129, 1, False), (cuda.TOKEN_MAX_T_K16, 2, False),
+                        (128, 3, False)):
+        plan = cuda.choose_config(T, K, 7168, torch.device("cpu"))
+        assert (plan.kernel, plan.one_tile, plan.onw_ahead) == ("token", True, ahead), (T, K)
     # The streaming entries (K = 5..8 above 2048 tokens, K = 3..4 above 4096): a CUDA C++ kernel, so on the CPU
     # (and wherever it cannot run) their rows-kernel fallback.
     for (t_bucket, k_bucket) in ((4096, 8), (1 << 62, 8), (1 << 62, 4)):
@@ -316,11 +323,13 @@ def test_cuda_launch_table_overrides():
     assert plan == cuda.choose_config(5, 9, 7168, torch.device("cpu"),
                                       cuda.LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
     assert cuda.choose_config(5, 15, 40, torch.device("cpu"), one).rows_per_tile == 16
-    # The table's one-tile entries: K <= 4 up to 512 tokens; K >= 5 there, and K <= 4 above, take other plans.
+    # The table's one-tile entries: K <= 4 up to 512 tokens (at K <= 2 above 128 tokens with the output norm's
+    # weight after the mix); K >= 5 there, and K <= 4 above, take other plans.
     for T in (1, 5, 128, 256, 400, 512):
         for K in (1, 2, 3, 4):
+            own = replace(one, onw_ahead=False) if T > 128 and K <= 2 else one
             assert cuda.choose_config(T, K, 7168, torch.device("cpu")) == cuda.choose_config(T, K, 7168,
-                                                                                            torch.device("cpu"), one)
+                                                                                            torch.device("cpu"), own)
     assert not cuda.choose_config(64, 5, 7168, torch.device("cpu")).one_tile
     assert not cuda.choose_config(200, 8, 7168, torch.device("cpu")).one_tile
     assert cuda.choose_config(513, 2, 7168, torch.device("cpu")).kernel == "rows"

@@ -78,8 +78,8 @@ Usage, on the GPU machine: python tools/plan_variants.py [section ...] [--out DI
   table's; the fused call only, T = 1..64, K = 2, 4, 5, 8; the table timed first and last.
 - layer_norm_gram_cluster: the layer schedule with that rule, T = 1, 8, 64 (no cluster entry above 64 tokens).
 - onw_after: the table's one-tile plans at K = 1..2 with the output norm's weight loaded after the mix
-  (LaunchConfig.onw_ahead False; the table loads it ahead there), at every T and only above 128 tokens; the fused
-  call only, T = 1..512; the table timed first and last.
+  (LaunchConfig.onw_ahead False; the table loads it after above 128 tokens only) and ahead (True) at every T; the
+  fused call only, T = 1..512; the table timed first and last.
 - layer_onw_after: the layer schedule with those rules, T = 1, 64, 512.
 """
 from __future__ import annotations
@@ -274,21 +274,21 @@ NORM_GRAM = {"table": TABLE, "gram": norm_gram("table"), "cluster_fallback": nor
              "cluster_fallback_gram": norm_gram("fallback_gram"), "table_again": TABLE}
 
 
-def onw_after(min_t: int) -> Ops:
-    """The table's one-tile plans from ``min_t`` tokens with the output norm's weight loaded after the mix
-    (``LaunchConfig.onw_ahead`` False) where the table loads it ahead (K <= 2); every other entry the table's."""
+def onw_placed(ahead: bool) -> Ops:
+    """The table's one-tile plans at K <= 2 with the output norm's weight loaded with the inputs
+    (``LaunchConfig.onw_ahead`` True) or after the mix (False); every other entry the table's."""
     def rule(T, K, f):
         own = table_entry(T, K)
-        if T >= min_t and own.kernel == "token" and own.rows_per_tile == 0 and K <= 2:
-            return dataclasses.replace(own, onw_ahead=False)
+        if own.kernel == "token" and own.rows_per_tile == 0 and K <= 2:
+            return dataclasses.replace(own, onw_ahead=ahead)
         return None
     return variant(rule)
 
 
-#: The onw_after section's variants: the weight after the mix at every one-tile shape with K <= 2, and only above
-#: 128 tokens (where a second 8-warp program per SM has work: 122-128 registers against 154-164 at K = 1); the
-#: table timed first and last.
-ONW_AFTER = {"table": TABLE, "after": onw_after(1), "after_129": onw_after(129), "table_again": TABLE}
+#: The onw_after section's variants: the weight after the mix at every one-tile shape with K <= 2 (the table: above
+#: 128 tokens, where a second 8-warp program per SM has work: 122-128 registers against 154-164 at K = 1), and
+#: ahead at every one (the table's rule before); the table timed first and last.
+ONW_AFTER = {"table": TABLE, "after": onw_placed(False), "ahead": onw_placed(True), "table_again": TABLE}
 
 
 SECTIONS = {

@@ -423,6 +423,15 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     if (t_bucket <= 32 and k_bucket == 4) or (t_bucket <= 16 and k_bucket == 2):
         return LaunchConfig(kernel="cluster", cluster_size=8, min_k=2 if k_bucket == 2 else 3, fallback=one_tile)
     if t_bucket <= TOKEN_MAX_T_K16 and k_bucket <= 4:
+        # Above 128 tokens at K <= 2 the fused call loads its output norm's weight after the mix: without the
+        # weight's registers two 8-warp programs fit an SM at K = 1 (122 registers against 154). Same run on an H100
+        # at a598858 (tools/plan_variants.py onw_after, docs/data/onw_after_h100_a598858.txt), the table timed first
+        # and last: the fused call at T = 192 / 256 / 384 / 512, K = 1 4.86 / 5.15 / 8.16 / 13.35 us against 6.05 /
+        # 6.40 / 9.68 / 16.37, K = 2 6.65 / 7.13 / 12.15 / 19.97 against 7.05-7.07 / 7.58 / 12.40 / 20.38-20.42; the
+        # layer step at T = 512 1165.5 against 1169.6-1170.0. Not at 1..128 tokens, where one program per SM is
+        # all a call has: K = 1 at T = 64 / 128 3.32 / 3.86 against 3.22 / 3.68.
+        if t_bucket > 128 and k_bucket <= 2:
+            return replace(one_tile, onw_ahead=False)
         return one_tile
     if t_bucket <= 128:
         return LaunchConfig(kernel="token", rows_per_tile=2 if k_bucket == 6 else 4, num_warps=8, num_stages=1)
@@ -580,8 +589,8 @@ def _resolve(K: int, H: int, device: torch.device, config: LaunchConfig) -> _Pla
         gram = config.norm_gram and rows <= 4
         warps = config.num_warps or _rows_warps(block_h)
         # The output norm's weight ahead by default where it costs no spill: same run, the fused call at K = 1 / 2,
-        # T = 1..128 3.38-4.61 us against 3.52-4.69; 4-row tiles and 4 warps spill. Not timed above 128 tokens,
-        # where at K = 1 it costs a second program per SM (docs/benchmarks.md, "The output norm's weight ahead,
+        # T = 1..128 3.38-4.61 us against 3.52-4.69; 4-row tiles and 4 warps spill. The table's entries above 128
+        # tokens load it after the mix (``_default_entry``; docs/benchmarks.md, "The output norm's weight ahead,
         # above 128 tokens").
         ahead = rows <= 2 and warps >= 8 if config.onw_ahead is None else config.onw_ahead
         return _Plan("token", warps, block_h=block_h, rows_per_tile=rows, one_tile=one_tile,
