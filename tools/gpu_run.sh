@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build k3_ops in place on a GPU machine and run the named stages (stages after build need the same
 # shell, so name them in one call: tools/gpu_run.sh build tests bench); used for the H200 runs recorded in
-# docs/benchmarks.md. Stages: build, errors, ncu, testfiles, ptests, tests, bench, tune, main, train, serving
-# (default: build tests bench).
+# docs/benchmarks.md. Stages: build, errors, ncu, testfiles, ptests, tests, bench, tune, main, job, variants,
+# layermix, train, serving, pack (default: build tests bench).
 # Results (logs, JSON, PNG) go to $OUT (default ./gpu_out). Extra pytest arguments: PYTEST_ARGS (word-split:
 # no spaces inside one argument, so "-k a or b" does not work; name the files in TEST_GROUPS instead). A copy of
 # the working tree may carry another commit's git metadata: pass K3_OPS_COMMIT=$(git rev-parse --short HEAD)
@@ -58,13 +58,16 @@ for stage in "${stages[@]}"; do
     ptests)
       # testfiles, with TEST_GROUPS ("a.py b.py;c.py d.py"): the groups run concurrently (one GPU, many CPU
       # cores: correctness only, never timings), each group's files one pytest process after another.
+      # TEST_ENVS ("K3_OPS_PDL=1;K3_OPS_PDL=0"): each group's environment, in the same order (the same file may
+      # run in two groups, PDL on and off).
       IFS=';' read -ra groups <<<"${TEST_GROUPS:?}"
+      IFS=';' read -ra group_envs <<<"${TEST_ENVS:-}"
       pids=()
       for gi in "${!groups[@]}"; do
         ( for f in ${groups[$gi]}; do
-            timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -s -ra -p no:cacheprovider ${PYTEST_ARGS:-} "$f" \
+            env ${group_envs[$gi]:-} timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -s -ra -p no:cacheprovider ${PYTEST_ARGS:-} "$f" \
               >"$OUT/pytest_g$gi.$(basename "$f" .py).log" 2>&1
-            echo "$f rc=$?: $(tail -1 "$OUT/pytest_g$gi.$(basename "$f" .py).log")"
+            echo "${group_envs[$gi]:-} $f rc=$?: $(tail -1 "$OUT/pytest_g$gi.$(basename "$f" .py).log")"
           done ) >"$OUT/summary_g$gi.txt" &
         pids+=($!)
       done
@@ -88,6 +91,23 @@ for stage in "${stages[@]}"; do
       [ "${PIPESTATUS[0]}" -eq 0 ] || { tail -20 "$OUT/tune.err"; status=1; } ;;
     main)
       $PY -m k3_ops --no-bench || status=1 ;;
+    job)
+      # The README's main job as a user runs it (checks, then every benchmark section), its log beside its files:
+      # the run docs/benchmarks.md's tables come from.
+      timeout ${JOB_TIMEOUT:-540} $PY -m k3_ops -- --out "$OUT/main" >"$OUT/main_job.txt" 2>"$OUT/main_job.err" \
+        || { tail -5 "$OUT/main_job.err"; status=1; }
+      grep -E "^# (mix|fused|layer|host|train):|CHECKS" "$OUT/main_job.txt" | cut -c1-120 ;;
+    variants)
+      # Launch-plan comparisons (PV: tools/plan_variants.py section names, e.g. "onw_after layer_onw_after").
+      timeout ${PV_TIMEOUT:-300} $PY tools/plan_variants.py ${PV:?} --out "$OUT/pv" 2>"$OUT/pv.err" | tee "$OUT/pv.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || { tail -5 "$OUT/pv.err"; status=1; } ;;
+    layermix)
+      # The layer step by site class (LM_ARGS, e.g. "--layer 64,512").
+      timeout ${LM_TIMEOUT:-200} $PY tools/floor_rows.py --layer-mix --out "$OUT/lm" ${LM_ARGS:-} | tee "$OUT/lm.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    pack)
+      # The device tool returns at most eight files: everything under $OUT moves into one archive (name it last).
+      tar czf /tmp/gpu_out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_out.tgz "$OUT/gpu_out.tgz" ;;
     train)
       $PY -m k3_ops.bench train --out "$OUT" ${TRAIN_ARGS:-} || status=1 ;;
     serving)
