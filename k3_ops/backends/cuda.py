@@ -429,7 +429,9 @@ def _default_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
         # and last: the fused call at T = 192 / 256 / 384 / 512, K = 1 4.86 / 5.15 / 8.16 / 13.35 us against 6.05 /
         # 6.40 / 9.68 / 16.37, K = 2 6.65 / 7.13 / 12.15 / 19.97 against 7.05-7.07 / 7.58 / 12.40 / 20.38-20.42; the
         # layer step at T = 512 1165.5 against 1169.6-1170.0. Not at 1..128 tokens, where one program per SM is
-        # all a call has: K = 1 at T = 64 / 128 3.32 / 3.86 against 3.22 / 3.68.
+        # all a call has: K = 1 at T = 64 / 128 3.32 / 3.86 against 3.22 / 3.68. At K = 2 there two H100 runs
+        # (a598858, 42a8524) timed after the mix 3-4 % faster and one H200 run (85e4caa, an earlier kernel) 2-6 %
+        # slower: the weight stays ahead (docs/benchmarks.md, "The output norm's weight ahead, above 128 tokens").
         if t_bucket > 128 and k_bucket <= 2:
             return replace(one_tile, onw_ahead=False)
         return one_tile
