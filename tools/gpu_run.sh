@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build k3_ops in place on a GPU machine and run the named stages (stages after build need the same
-# shell, so name them in one call: tools/gpu_run.sh build tests bench); used for the H200 runs recorded in
+# shell, so name them in one call: tools/gpu_run.sh build tests bench); used for the GPU runs (H200, H100) recorded in
 # docs/benchmarks.md. Stages: build, errors, ncu, testfiles, ptests, tests, bench, tune, main, job, variants,
 # layermix, train, serving, pack (default: build tests bench).
 # Results (logs, JSON, PNG) go to $OUT (default ./gpu_out). Extra pytest arguments: PYTEST_ARGS (word-split:
