@@ -4,14 +4,26 @@
 # interpreter), and a toy K3 stack under vLLM's compilation. Not part of CI (vLLM with its torch is ~9 GB); run it
 # before changing the vLLM integration, and record the result in docs/integration.md.
 #
-# Usage: tools/check_vllm.sh [pytest arguments]. K3_OPS_VLLM_VENV picks the side venv (default: .venv-vllm in the
-# repository root), created with vllm==0.33.0 (which pins torch 2.14.0) on first use and reused afterwards.
-# k3_ops is built into it from a copy of the sources (K3_OPS_NO_CUDA=1: the C++ checks and Meta kernels only),
-# so the tree's own k3_ops/_C build, made against another torch, is left alone.
+#   tools/check_vllm.sh [-h|--help] [-n|--dry-run] [pytest arguments]
+#
+# K3_OPS_VLLM_VENV picks the side venv (default: .venv-vllm in the repository root), created with vllm==0.33.0
+# (which pins torch 2.14.0) on first use and reused afterwards. k3_ops is built into it from a copy of the sources
+# (K3_OPS_NO_CUDA=1: the C++ checks and Meta kernels only), so the tree's own k3_ops/_C build, made against another
+# torch, is left alone. --dry-run prints the venv, the install and the pytest command, and installs nothing.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${K3_OPS_VLLM_VENV:-$ROOT/.venv-vllm}"
 VLLM_VERSION=0.33.0
+
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -n|--dry-run)
+    shift
+    echo "venv: $VENV ($([ -x "$VENV/bin/python" ] && echo exists || echo "to create"))"
+    echo "install: vllm==$VLLM_VERSION pytest expecttest numpy setuptools wheel packaging; k3_ops from a copy (K3_OPS_NO_CUDA=1)"
+    echo "run: TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= K3_OPS_EXPECT_VLLM=1 $VENV/bin/pytest -m vllm -p no:cacheprovider -ra tests/test_vllm_real.py $*"
+    exit 0 ;;
+esac
 
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"

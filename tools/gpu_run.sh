@@ -1,118 +1,111 @@
 #!/usr/bin/env bash
-# Build k3_ops in place on a GPU machine and run the named stages (stages after build need the same
-# shell, so name them in one call: tools/gpu_run.sh build tests bench); used for the GPU runs (H200, H100) recorded in
-# docs/benchmarks.md. Stages: build, errors, ncu, testfiles, ptests, tests, bench, tune, main, job, variants,
-# layermix, train, serving, pack (default: build tests bench).
-# Results (logs, JSON, PNG) go to $OUT (default ./gpu_out). Extra pytest arguments: PYTEST_ARGS (word-split:
-# no spaces inside one argument, so "-k a or b" does not work; name the files in TEST_GROUPS instead). A copy of
-# the working tree may carry another commit's git metadata: pass K3_OPS_COMMIT=$(git rev-parse --short HEAD)
-# from the checkout so that benchmark JSON records the commit that ran.
+# Build k3_ops in place on a GPU machine and run the named stages in one call: the device machines have no network
+# and keep nothing between leases, so the build and everything that needs it go in one command.
+#
+#   tools/gpu_run.sh [-n|--dry-run] [-h|--help] [STAGE ...]        (no stage: build tests)
+#
+# Stages, run in the order given (every stage after build needs its environment: name build first):
+#   build    pip install -e . against the machine's torch (no build isolation, no dependencies); prints the device,
+#            torch, triton, and whether the CUDA C++ kernels were built
+#   tests    the whole suite in one pytest; prints its summary line and the failures
+#   ptests   each of TEST_FILES twice at once, PDL on and off (K3_OPS_PDL=1 / 0; one GPU, so correctness only, never
+#            timings); one pytest per file and setting, one line each
+#   job      the README's main job (python -m k3_ops), its files under $OUT/job, its log in $OUT/job.txt
+#   bench    python -m k3_ops.bench $BENCH_ARGS (section names and options), its files under $OUT/bench
+#   pack     everything under $OUT into $OUT/gpu_out.tgz (name it last: the device returns only a few files)
+# A table of the stages' times and results closes the output; each stage's full log stays under $OUT.
+#
+# Environment: OUT (default gpu_out), PY (python3), TEST_FILES (tests/test_*.py), PYTEST_ARGS (word-split, added to
+# every pytest), TEST_TIMEOUT (seconds per pytest, 600), JOB_TIMEOUT (540), BENCH_ARGS, K3_OPS_COMMIT (the commit
+# the benchmark JSON records: pass `git rev-parse --short HEAD` from the checkout, since a copied tree may carry
+# another checkout's git metadata). --dry-run prints each stage's commands and runs none (no GPU needed).
+# Exit status: 0 when every stage passed.
 set -uo pipefail
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build tests bench)
-status=0
-for stage in "${stages[@]}"; do
-  echo "=== $stage ($(date +%T))"
-  case "$stage" in
-    build)
-      # Test-only wheels the GPU image lacks (expecttest), carried in .whl/ since that machine has no network
-      # (.whl/ is ignored by git: in a fresh checkout make it with `pip download --no-deps -d .whl expecttest`;
-      # without it the test files that import expecttest fail at collection there).
-      if ls .whl/*.whl >/dev/null 2>&1; then
-        $PY -m pip install -q --no-index --no-deps --target /tmp/k3_site .whl/*.whl && export PYTHONPATH=/tmp/k3_site${PYTHONPATH:+:$PYTHONPATH}
-      fi
-      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-      $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-      # No network there: build against the machine's torch, without build isolation or dependencies.
-      $PY -m pip install -v --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
-        || { echo "pip -e failed, building in place"; $PY setup.py build_ext --inplace >>"$OUT/build.log" 2>&1; } \
-        || { grep -E "error|Error" "$OUT/build.log" | head -30; tail -30 "$OUT/build.log"; exit 1; }
-      # ptxas -v of the CUDA C++ kernels (setup.py passes it): registers, spills, shared memory per variant.
-      grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | sed -E 's/.*(Compiling entry function|ptxas info *:)//' \
-        | paste - - - 2>/dev/null | cut -c1-260 | head -30
-      $PY -c "import k3_ops, k3_ops._C as c; print('k3_ops', k3_ops.__version__, 'ok; CUDA C++ kernels:', c.has_cuda_kernels)" || exit 1 ;;
-    errors)
-      # The bad-input path on this torch build; on a crash, a native backtrace (cuda-gdb runs host code too).
-      $PY tools/smoke_errors.py || { echo "smoke_errors failed (rc $?)"; status=1;
-        command -v cuda-gdb >/dev/null && cuda-gdb -q -batch -ex run -ex bt --args $PY tools/smoke_errors.py \
-          >"$OUT/gdb.txt" 2>&1; grep -E "^#|signal" "$OUT/gdb.txt" | head -16 | cut -c1-300; } ;;
-    ncu)
-      # Hardware counters of one backward launch of the default kernel (NCU_KERNEL; METHOD.md: leave the clocks alone).
-      ncu --clock-control none --profile-from-start off -k regex:${NCU_KERNEL:-attn_res_bwd_stats_kernel} -c 1 \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-        --section LaunchStats --section SchedulerStats $PY tools/profile_bwd.py >"$OUT/ncu.txt" 2>&1 || status=1
-      grep -vE "^==PROF==|^ *-+ *$" "$OUT/ncu.txt" | grep -E "Throughput|Duration|Hit|Occupancy|Stall|Warp Cycles|Registers|Shared|Block Limit|Issued|Eligible|Active Warps|L2|DRAM|One or More" | head -60 ;;
-    testfiles)
-      # One pytest process per file (a crash loses one file, not the suite); one log, one summary line per file.
-      # -s keeps the accuracy tests' "kernel/eager" ratio lines (per case), collected into accuracy.txt.
-      for f in ${TEST_FILES:-tests/test_*.py}; do
-        timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -s -ra -p no:cacheprovider ${PYTEST_ARGS:-} "$f" \
-          >>"$OUT/pytest.log" 2>&1
-        rc=$?; echo "$f rc=$rc: $(tail -1 "$OUT/pytest.log")"; [ $rc -eq 0 ] || status=1
-      done
-      grep -a "kernel/eager" "$OUT/pytest.log" >"$OUT/accuracy.txt" || true ;;
-    ptests)
-      # testfiles, with TEST_GROUPS ("a.py b.py;c.py d.py"): the groups run concurrently (one GPU, many CPU
-      # cores: correctness only, never timings), each group's files one pytest process after another.
-      # TEST_ENVS ("K3_OPS_PDL=1;K3_OPS_PDL=0"): each group's environment, in the same order (the same file may
-      # run in two groups, PDL on and off).
-      IFS=';' read -ra groups <<<"${TEST_GROUPS:?}"
-      IFS=';' read -ra group_envs <<<"${TEST_ENVS:-}"
-      pids=()
-      for gi in "${!groups[@]}"; do
-        ( for f in ${groups[$gi]}; do
-            env ${group_envs[$gi]:-} timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -s -ra -p no:cacheprovider ${PYTEST_ARGS:-} "$f" \
-              >"$OUT/pytest_g$gi.$(basename "$f" .py).log" 2>&1
-            echo "${group_envs[$gi]:-} $f rc=$?: $(tail -1 "$OUT/pytest_g$gi.$(basename "$f" .py).log")"
-          done ) >"$OUT/summary_g$gi.txt" &
-        pids+=($!)
-      done
-      wait "${pids[@]}"
-      cat "$OUT"/summary_g*.txt
-      grep -q "rc=[1-9]" "$OUT"/summary_g*.txt && status=1
-      cat "$OUT"/pytest_g*.log >"$OUT/pytest.log"; rm -f "$OUT"/pytest_g*.log "$OUT"/summary_g*.txt
-      grep -a "kernel/eager" "$OUT/pytest.log" >"$OUT/accuracy.txt" || true ;;
-    tests)
-      timeout ${TEST_TIMEOUT:-1200} $PY -m pytest -q -ra ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -Ev "^(tests/|\.|s)+[ .sxEF]*\[ *[0-9]+%\]$" | tail -60
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    bench)
-      # Every section of the benchmark (BENCH_ARGS: section names and options, e.g. "mix fused --quick"): JSON,
-      # Markdown tables and PNG plots under $OUT, the tables on stdout.
-      $PY -m k3_ops.bench --out "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || { tail -20 "$OUT/bench.err"; status=1; } ;;
-    tune)
-      # Forward launch configs side by side (TUNE_ARGS, e.g. --configs @configs.json --tokens 1,8,64).
-      $PY -m k3_ops.bench mix --out "$OUT/tune" --no-refs --layouts token ${TUNE_ARGS:-} 2>"$OUT/tune.err" \
-        | tee "$OUT/tune.txt"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || { tail -20 "$OUT/tune.err"; status=1; } ;;
-    main)
-      $PY -m k3_ops --no-bench || status=1 ;;
-    job)
-      # The README's main job as a user runs it (checks, then every benchmark section), its log beside its files:
-      # the run docs/benchmarks.md's tables come from.
-      timeout ${JOB_TIMEOUT:-540} $PY -m k3_ops -- --out "$OUT/main" >"$OUT/main_job.txt" 2>"$OUT/main_job.err" \
-        || { tail -5 "$OUT/main_job.err"; status=1; }
-      grep -E "^# (mix|fused|layer|host|train):|CHECKS" "$OUT/main_job.txt" | cut -c1-120 ;;
-    variants)
-      # Launch-plan comparisons (PV: tools/plan_variants.py section names, e.g. "onw_after layer_onw_after").
-      timeout ${PV_TIMEOUT:-300} $PY tools/plan_variants.py ${PV:?} --out "$OUT/pv" 2>"$OUT/pv.err" | tee "$OUT/pv.txt"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || { tail -5 "$OUT/pv.err"; status=1; } ;;
-    layermix)
-      # The layer step by site class (LM_ARGS, e.g. "--layer 64,512").
-      timeout ${LM_TIMEOUT:-200} $PY tools/floor_rows.py --layer-mix --out "$OUT/lm" ${LM_ARGS:-} | tee "$OUT/lm.txt"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    pack)
-      # The device tool returns at most eight files: everything under $OUT moves into one archive (name it last).
-      tar czf /tmp/gpu_out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_out.tgz "$OUT/gpu_out.tgz" ;;
-    train)
-      $PY -m k3_ops.bench train --out "$OUT" ${TRAIN_ARGS:-} || status=1 ;;
-    serving)
-      $PY -m k3_ops.bench fused layer --out "$OUT" ${SERVING_ARGS:-} || status=1 ;;
-    *) echo "unknown stage $stage"; status=1 ;;
+
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+
+DRY=0
+stages=()
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) usage; exit 0 ;;
+    -n|--dry-run) DRY=1 ;;
+    -*) echo "gpu_run.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
+    *) stages+=("$arg") ;;
   esac
 done
+[ ${#stages[@]} -eq 0 ] && stages=(build tests)
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    build|tests|ptests|job|bench|pack) ;;
+    *) echo "gpu_run.sh: unknown stage $stage (stages: build tests ptests job bench pack)" >&2; exit 2 ;;
+  esac
+done
+
+OUT=${OUT:-gpu_out}
+PY=${PY:-python3}
+TEST_FILES=${TEST_FILES:-tests/test_*.py}
+TEST_TIMEOUT=${TEST_TIMEOUT:-600}
+JOB_TIMEOUT=${JOB_TIMEOUT:-540}
+export PYTHONUNBUFFERED=1
+
+sh_run() {  # sh_run CMD: run the command line CMD in this shell, or print it under --dry-run
+  if [ $DRY = 1 ]; then printf '  + %s\n' "$1"; return 0; fi
+  eval "$1"
+}
+
+pytest_line() {  # pytest_line LOG: pytest's closing summary line of LOG (or its last line)
+  grep -aE "(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s" "$1" | tail -1 | tr -d '=' \
+    | sed 's/^ *//;s/ *$//' || tail -1 "$1"
+}
+
+stage_build() {
+  # Test-only wheels the GPU image lacks (expecttest, which opcheck needs), carried in .whl/ (git-ignored: make it
+  # with `pip download --no-deps -d .whl expecttest`), installed beside the tree since there is no network.
+  sh_run 'if ls .whl/*.whl >/dev/null 2>&1; then $PY -m pip install -q --no-index --no-deps --target /tmp/k3_site .whl/*.whl && export PYTHONPATH=/tmp/k3_site${PYTHONPATH:+:$PYTHONPATH}; fi'
+  sh_run 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader'
+  sh_run '$PY -c "import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, torch.version.cuda and \"CUDA \" + torch.version.cuda)"'
+  # No network on the device machine: build against its torch, without build isolation or dependencies. setup.py
+  # passes -Xptxas -v, so build.log also holds the CUDA C++ kernels' registers and spills.
+  sh_run '$PY -m pip install -v --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; return 1; }'
+  sh_run '$PY -c "import k3_ops, k3_ops._C as c; print(\"k3_ops\", k3_ops.__version__, \"built; CUDA C++ kernels:\", c.has_cuda_kernels)"'
+}
+
+stage_tests() {
+  sh_run 'timeout "$TEST_TIMEOUT" $PY -m pytest -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} >"$OUT/tests.log" 2>&1; rc=$?; echo "tests: $(pytest_line "$OUT/tests.log")"; grep -aE "^(FAILED|ERROR) " "$OUT/tests.log" | head -20 | cut -c1-200; return $rc'
+}
+
+stage_ptests() {
+  # One background chain per setting; each file's pytest writes its own log and one summary line.
+  sh_run 'pids=(); for pdl in 1 0; do ( for f in $TEST_FILES; do log="$OUT/ptests/pdl$pdl.$(basename "$f" .py).log"; K3_OPS_PDL=$pdl timeout "$TEST_TIMEOUT" $PY -m pytest -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} "$f" >"$log" 2>&1; echo "PDL=$pdl $f rc=$?: $(pytest_line "$log")"; done >"$OUT/ptests/summary$pdl.txt" ) & pids+=($!); done; wait "${pids[@]}"'
+  sh_run 'cat "$OUT"/ptests/summary*.txt; ! grep -q "rc=[1-9]" "$OUT"/ptests/summary*.txt'
+}
+
+stage_job() {
+  sh_run 'timeout "$JOB_TIMEOUT" $PY -m k3_ops -- --out "$OUT/job" >"$OUT/job.txt" 2>&1; rc=$?; tail -3 "$OUT/job.txt" | cut -c1-200; return $rc'
+}
+
+stage_bench() {
+  sh_run '$PY -m k3_ops.bench --out "$OUT/bench" ${BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1; rc=$?; grep -aE "^#|warning|Error" "$OUT/bench.txt" | head -20 | cut -c1-200; return $rc'
+}
+
+stage_pack() {
+  sh_run 'tar czf /tmp/gpu_out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_out.tgz "$OUT/gpu_out.tgz" && echo "packed: $OUT/gpu_out.tgz"'
+}
+
+[ $DRY = 1 ] || mkdir -p "$OUT/ptests"
+results=()
+status=0
+for stage in "${stages[@]}"; do
+  echo "=== $stage"
+  start=$SECONDS
+  "stage_$stage"
+  rc=$?
+  [ $rc -eq 0 ] || status=1
+  results+=("$(printf '%-8s %5d s  %s' "$stage" $((SECONDS - start)) "$([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc)")")")
+  # A failed build leaves nothing for the other stages to run against.
+  if [ "$stage" = build ] && [ $rc -ne 0 ]; then break; fi
+done
+echo "=== stages"
+printf '%s\n' "${results[@]}"
 exit $status

@@ -4,7 +4,12 @@ Compiles the Triton kernels ahead of time (``triton.compile`` for target cuda:90
 PTX, with the ptxas Triton itself assembles sm_90 with (``find_ptxas``), so register pressure of a launch
 configuration can be read on any machine (the H200 time is then spent only on timings). Triton versions differ
 between machines (code generation and ptxas both); treat the figures as close, not exact.
-Usage: python tools/ptxas_info.py [words that select cases, e.g. fused default]
+Usage: python tools/ptxas_info.py [-h] [--json | --store-order | --schedule | --counts | WORD ...]
+  WORD ...       print the cases whose names contain one of the words (all cases without any), e.g. fused default
+  --json         registers / spills of the budget cases as JSON (tests/test_register_budget.py reads it)
+  --store-order  the fused kernels' store order in their Triton IR as JSON (tests/test_store_order.py reads it)
+  --schedule     where the one-tile plan's global loads sit in its sm_90 SASS
+  --counts       sm_90 instruction counts of the per-token kernel's plans as the launch table runs them
 """
 from __future__ import annotations
 
@@ -380,7 +385,7 @@ def load_schedule(cubin: bytes) -> dict:
     """Where a kernel's global loads sit in its sm_90 SASS (``sass``): the instruction count, the index of every LDG
     and of the first warp shuffle (the first cross-thread reduction step).
     Loads issued well after the others, among the arithmetic on the first ones, mean a schedule that works on the
-    rows already in while the rest are in flight (docs/benchmarks.md, "The op's steps on a one-tile floor")."""
+    rows already in while the rest are in flight (docs/kernels.md, "One tile")."""
     code = [line for line in sass(cubin) if not line.startswith(".L_")]
     ldg = [i for i, line in enumerate(code) if "LDG" in line]
     shfl = next((i for i, line in enumerate(code) if "SHFL" in line), len(code))
@@ -427,24 +432,9 @@ def count_cases() -> list[tuple[str, bytes]]:
 
 def schedule_cases() -> list[tuple[str, bytes]]:
     """(name, cubin) of the one-tile plan at K = 4 (plain, fused, in-place serving; bf16 weights, as the benchmarks
-    pass them) and of tools/floor_rows.py's tile-ladder rungs t2-t5 (plain, K = 4), with the 16-byte divisibility the
-    JIT gives their strides."""
-    import floor_rows
-
-    cases = [(f"op-one-tile-k4-{name}", token(rows=4, one_tile=True, fused=fused, asm="cubin", weights="bf16")[0])
-             for name, fused in (("plain", None), ("fused", FUSED_ALL), ("serving", SERVING))]
-    fn = floor_rows._tile_ladder_kernel
-    names = list(fn.arg_names)
-    sig = {n: "*bf16" for n in names if n.endswith("_ptr")}
-    sig.update({n: "i32" for n in ("stride_pt", "stride_at", "stride_bt", "stride_bc", "H", "K", "write_idx")})
-    sig["eps"] = "fp32"
-    for level in (2, 3, 4, 5):
-        const = dict(ROWS=4, BLOCK=8192, LEVEL=level, FUSED=False)
-        src = _source(fn, {**sig, **{n: "constexpr" for n in const}}, const)
-        for n in ("stride_pt", "stride_at", "stride_bt", "stride_bc"):
-            src.attrs[(names.index(n),)] = [["tt.divisibility", 16]]
-        cases.append((f"ladder-t{level}-k4", triton.compile(src, target=TARGET, options=_options(8)).asm["cubin"]))
-    return cases
+    pass them)."""
+    return [(f"op-one-tile-k4-{name}", token(rows=4, one_tile=True, fused=fused, asm="cubin", weights="bf16")[0])
+            for name, fused in (("plain", None), ("fused", FUSED_ALL), ("serving", SERVING))]
 
 
 def main() -> None:
@@ -455,6 +445,9 @@ def main() -> None:
     ``--schedule`` the global loads' places in the sm_90 SASS of ``schedule_cases()`` (``load_schedule``);
     ``--counts`` the instruction counts of ``count_cases()`` (``sass_counts``)."""
     args = sys.argv[1:]
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return
     found = find_ptxas()
     if args[:1] == ["--counts"]:
         print(f"triton {triton.__version__}: name, instructions, {', '.join(COUNTED)}, loop body")
