@@ -96,7 +96,7 @@ what it writes: the tables on stdout, and under --out (default bench_out/) <sect
   for the sections mix (attn_res), fused (fused_attn_res and fused_attn_res_), layer (a 24-layer decode step),
   host (eager call cost) and train (forward + backward). 'python -m k3_ops.bench report' makes
   docs/benchmarks.md from such files.
-how long: about 2 minutes on a 2-core CPU (small shapes through the reference formula: a smoke run of the
+how long: 1-2 minutes on a 2-core CPU (small shapes through the reference formula: a smoke run of the
   benchmark, not a kernel benchmark, timed with 1 thread); about 6 minutes on one H100 (the lean grids, warm
   and cold L2; '-- --full' for the full grids, far longer); add '-- --quick' for a smoke run.
 success: the last lines name the files written, then 'ALL CHECKS PASSED' (exit status 0); a failed check

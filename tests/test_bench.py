@@ -121,6 +121,7 @@ def test_cold_set_count_makes_the_sets_exceed_three_l2(footprint, allocated, l2)
 
 def test_cold_set_count_keeps_within_its_memory_budget():
     assert timing.cold_set_count(1000, 4000, 10**6, budget=40_000) == 10  # 3001 wanted, 10 fit
+    assert timing.cold_set_count(1000, 4000, 10**6, max_sets=100) == 100
     for bad, match in (((0, 1, 1), "footprint must be > 0, got 0"), ((2, 1, 5), "allocated must be >= footprint")):
         with pytest.raises(ValueError, match=match):
             timing.cold_set_count(*bad)
@@ -348,7 +349,8 @@ def test_gpu_sections_time_warm_and_cold_with_the_floors_and_train_only_differen
     """On a GPU the mix, fused and layer sections time warm and cold rows with the floors in three geometries
     (the cold rows over input sets together past 3x the L2; the layer step's flushes subtracted), and the train
     section (which steps every reference through autograd) does not take the floors, which have no backward."""
-    opts = Options(device="cuda", hidden=256, tokens=[4], blocks=[2], rep_ms=0.5, quick=True, progress=False,
+    # T = 64 at H = 1024: a few hundred cold sets (H = 7168 at T = 1 takes thousands).
+    opts = Options(device="cuda", hidden=1024, tokens=[64], blocks=[2], rep_ms=0.5, quick=True, progress=False,
                    l2=["warm", "cold"])
     timer = Timer("cuda", rep_ms=0.5, quick=True)
     assert timer.l2_bytes >= 2**20
@@ -362,7 +364,7 @@ def test_gpu_sections_time_warm_and_cold_with_the_floors_and_train_only_differen
             assert _positive(r["limit_us"]) and _positive(r["floor_frac"])
         assert rows["cold"]["cold_ratio"] > 3 and rows["cold"]["sets"] >= 2
         assert not [n for n in res["notes"] if "non-finite" in n]
-    res = layer.run(Options(device="cuda", hidden=256, tokens=[4], rep_ms=0.5, quick=True, progress=False,
+    res = layer.run(Options(device="cuda", hidden=1024, tokens=[4], rep_ms=0.5, quick=True, progress=False,
                             l2=["warm", "cold"]), timer)
     steps = ("k3_ops", "k3_ops_inplace", "unfused", "floor", "floor_stream", "floor_row")
     for r in res["rows"]:

@@ -221,8 +221,9 @@ def _layer(result: dict) -> list[str]:
         line.append(fmt_us(r.get("limit_us")))
         out.append(line)
     floored = any(r.get("floor_us") for r in rows)
-    return [f"## Layer step ({prm.get('layers', 24)} layers, {rows[0]['calls'] if rows else '-'} calls, one graph)",
-            "", "us per step" + (f"; {head[2]}: / floor step (floor ÷ k3_ops)" if floored else "")
+    return [f"## Layer step ({prm.get('layers', 24)} layers, {rows[0]['calls'] if rows else '-'} calls per step)",
+            "", f"us per step ({prm.get('timing', '')})" + (f"; {head[2]} / floor step (floor ÷ k3_ops)" if floored
+                                                             else "")
             + "; limit: calls x graph node + bytes / copy bandwidth:", ""] + _table(head, out) + [""]
 
 

@@ -93,18 +93,19 @@ def l2_bytes(device: torch.device) -> int | None:
 
 
 def cold_set_count(footprint: int, allocated: int, l2: int, *, factor: float = COLD_FACTOR, min_sets: int = 2,
-                   budget: int = 8 * 2**30) -> int:
+                   budget: int = 8 * 2**30, max_sets: int = 16384) -> int:
     """How many input sets a cold measurement rotates through: the fewest (at least ``min_sets``) whose
     ``footprint`` (bytes one call touches in its set) together exceeds ``factor`` x ``l2``, but no more than
-    ``budget`` bytes of sets (``allocated`` bytes each) hold; at large T one set alone is past the L2 already.
-    Where the budget binds, the sets together stay under ``factor`` x L2 (``cold_ratio`` reports it)."""
+    ``budget`` bytes of sets (``allocated`` bytes each) hold and no more than ``max_sets`` (calls in one graph);
+    at large T one set alone is past the L2 already. Where a bound binds, the sets together stay under ``factor``
+    x L2 (``cold_ratio`` reports it)."""
     for name, value in (("footprint", footprint), ("allocated", allocated), ("l2", l2)):
         if value <= 0:
             raise ValueError(f"cold_set_count: {name} must be > 0, got {value}")
     if allocated < footprint:
         raise ValueError(f"cold_set_count: allocated must be >= footprint ({footprint}), got {allocated}")
     wanted = max(min_sets, math.floor(factor * l2 / footprint) + 1)
-    return max(1, min(wanted, budget // allocated))
+    return max(1, min(wanted, budget // allocated, max_sets))
 
 
 class Timer:
