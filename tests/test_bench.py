@@ -593,7 +593,7 @@ def test_plot_draws_every_comparison_series_within_the_axes(cold):
             labels = [line.get_label() for line in ax.get_lines()]
             for name in ("k3_ops", "eager", "floor (fastest geometry)"):
                 assert any(label.startswith(name) for label in labels), (name, labels)
-            assert any(label.startswith("bytes / copy bandwidth") for label in labels)
+            assert any(label.startswith("graph node + bytes / copy bandwidth") for label in labels)
             assert any(label.startswith("graph node") for label in labels)
             if cold:
                 assert "k3_ops, cold L2" in labels and "k3_ops, warm L2" in labels

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from . import writer
+from .timing import WIDE_SPREAD
 
 __all__ = ["SECTIONS", "MAX_LINES", "load", "render_doc", "main", "cell", "fmt_us"]
 
@@ -67,8 +68,6 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _wide(row: dict, name: str) -> bool:
-    from .timing import WIDE_SPREAD
-
     spread = row.get(f"spread:{name}")
     return spread is not None and spread > WIDE_SPREAD
 
@@ -233,7 +232,7 @@ def _host(result: dict) -> list[str]:
     head = ["call", "T", "K", "wall us", "torch.add / call"] + (["graph us", "wall / graph"] if graph else [])
     out = []
     for r in rows:
-        line = [r["call"], str(r["T"]), str(r["K"]), cell(r["wall_us"], None, (r.get("spread") or 0) > 0.2),
+        line = [r["call"], str(r["T"]), str(r["K"]), cell(r["wall_us"], None, (r.get("spread") or 0) > WIDE_SPREAD),
                 f"{r['floor_frac']:.2f}" if r.get("floor_frac") else "-"]
         if graph:
             line += [fmt_us(r.get("graph_us")), f"{r['ratio']:.2f}" if r.get("ratio") else "-"]

@@ -122,8 +122,8 @@ _STYLES = {"warm": "-", "cold": "--"}
 
 def figure(result: dict):
     """Time per call against T, one panel per K: every series the table holds (the op's forms, the reference
-    formulas, the fastest floor), solid for a warm L2 and dashed for a cold one, the copy-bandwidth limit (bytes
-    the call must move / the run's copy bandwidth) and the graph-node time; the y range spans every line drawn.
+    formulas, the fastest floor), solid for a warm L2 and dashed for a cold one, the limit (graph node + bytes the
+    call must move / the run's copy bandwidth) and the graph-node time; the y range spans every line drawn.
     Token-major rows (block-major ones as their own series). None without matplotlib."""
     try:
         import matplotlib
@@ -165,11 +165,13 @@ def figure(result: dict):
                         ms=3, lw=1.3, label=label)
                 drawn += [p[1] for p in pts]
         if bw:
+            # The limit the tables use: a captured call's graph node (where there are graphs) + its bytes at the
+            # run's copy bandwidth.
             pts = sorted({(r["T"], r["bytes"]) for r in rows if r["K"] == K and "bytes" in r})
             if pts:
-                ys = [1e6 * b / bw for _, b in pts]
+                ys = [(node or 0.0) + 1e6 * b / bw for _, b in pts]
                 ax.plot([p[0] for p in pts], ys, color="crimson", lw=0.9, ls=":",
-                        label=f"bytes / copy bandwidth ({bw / 1e12:.2f} TB/s)")
+                        label=("graph node + " if node else "") + f"bytes / copy bandwidth ({bw / 1e12:.2f} TB/s)")
                 drawn += ys
         if node:
             ax.axhline(node, color="gray", lw=0.9, ls="-.", label=f"graph node {node:.2f} us")
@@ -190,8 +192,10 @@ def figure(result: dict):
     for ax in list(axes.flat)[len(ks):]:
         ax.set_visible(False)
     env = result["environment"]
+    cpu = ("\nCPU: every op is the reference formula (a smoke run, not a kernel benchmark)"
+           if prm.get("cpu_note") else "")
     fig.suptitle(f"{result.get('title', result['section'])}: {env.get('device')}, {prm.get('dtype')} "
                  f"H={prm.get('hidden')} capacity {prm.get('capacity')}, {prm.get('timing', '')}, commit "
-                 f"{env.get('commit')}", fontsize=9)
+                 f"{env.get('commit')}{cpu}", fontsize=9)
     fig.tight_layout()
     return fig
