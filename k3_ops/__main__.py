@@ -6,9 +6,8 @@ On the best device present (CUDA, an Ascend NPU through torch_npu, else CPU) it
    the plain FP32 formula;
 2. runs the op inside ``torch.compile(fullgraph=True, dynamic=True)`` and checks it against eager, with the
    graph-break count;
-3. runs the benchmark (``python -m k3_ops.bench``, every section; ``--no-bench`` skips it, benchmark options go
-   after ``--``) and ends by printing where its JSON, tables and plots were written.
-Exit status 1 if any check fails.
+3. runs the benchmark (``python -m k3_ops.bench``, every section, warm and cold L2 on a GPU; ``--no-bench`` skips
+   it, benchmark options go after ``--``), printing each section's table.
 """
 from __future__ import annotations
 
@@ -91,13 +90,45 @@ def _compile_args(T: int, device: torch.device):
     return prefix, torch.ones_like(prefix), blocks, norm_w, proj_w
 
 
+EPILOG = """\
+what it writes: the tables on stdout, and under --out (default bench_out/) <section>.json (the results),
+  <section>.md (the tables) and mix.png / fused.png (plots, with the bench extra: pip install -e '.[bench]')
+  for the sections mix (attn_res), fused (fused_attn_res and fused_attn_res_), layer (a 24-layer decode step),
+  host (eager call cost) and train (forward + backward). 'python -m k3_ops.bench report' makes
+  docs/benchmarks.md from such files.
+how long: 1-2 minutes on a 2-core CPU (small shapes through the reference formula: a smoke run of the
+  benchmark, not a kernel benchmark, timed with 1 thread); about 6 minutes on one H100 (the lean grids, warm
+  and cold L2; '-- --full' for the full grids, far longer); add '-- --quick' for a smoke run.
+success: the last lines name the files written, then 'ALL CHECKS PASSED' (exit status 0); a failed check
+  prints FAIL on its line and ends with 'SOME CHECKS FAILED' (exit status 1).
+examples: python -m k3_ops;  python -m k3_ops --no-bench;  python -m k3_ops -- --quick --out /tmp/bench;
+  python -m k3_ops -- --out docs/data --formats json,png  (then python -m k3_ops.bench report)
+"""
+
+
+def summary(ok: bool, written: dict[str, dict[str, str]], ran_bench: bool) -> list[str]:
+    """The job's last lines: the files the benchmark wrote (JSON, Markdown, plots; a plot line says why there is
+    none), then the verdict."""
+    lines = []
+    if ran_bench:
+        for kind, what in (("json", "results (JSON)"), ("md", "tables (Markdown)"), ("png", "plots (PNG)")):
+            paths = [w[kind] for w in written.values() if kind in w]
+            if paths:
+                lines.append(f"benchmark {what}: {', '.join(paths)}")
+            elif kind == "png":
+                lines.append("benchmark plots (PNG): none (matplotlib is not installed: pip install -e '.[bench]')")
+    lines.append("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     bench_argv: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, bench_argv = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="python -m k3_ops", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m k3_ops", description=__doc__.split("\n\n", 1)[1],
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cpu, cuda or npu (default: the best present)")
     p.add_argument("--no-bench", action="store_true", help="skip the benchmark")
     args = p.parse_args(argv)
@@ -110,12 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         from k3_ops import bench
 
         print("== benchmark (python -m k3_ops.bench; options after '--')")
-        written = bench.main(["--device", device.type, *bench_argv]).get("_written", {})
-    print("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
-    for kind, what in (("json", "results (JSON)"), ("png", "plots (PNG)"), ("md", "tables (Markdown)")):
-        paths = [w[kind] for w in written.values() if kind in w]
-        if paths:
-            print(f"benchmark {what}: {', '.join(paths)}")
+        # Both L2 states, so that docs/benchmarks.md shows both; 10 ms per measurement keeps a GPU run within the
+        # device's time per command (options after '--' come later and win).
+        defaults = ["--device", device.type, "--l2", "both", "--rep", "10"]
+        written = bench.main([*defaults, *bench_argv]).get("_written", {})
+    for line in summary(ok, written, not args.no_bench):
+        print(line)
     return 0 if ok else 1
 
 

@@ -1,4 +1,4 @@
-"""``python -m k3_ops.bench [SECTION ...] [options]``; ``python -m k3_ops.bench report FILE.json ...``."""
+"""``python -m k3_ops.bench [SECTION ...] [options]`` and its commands ``report``, ``plan`` and ``variants``."""
 from __future__ import annotations
 
 import argparse
@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 
 from . import fused, host, layer, mix, train, writer
-from .common import DTYPES, Ops, Options, k3_ops_ops
+from .common import DTYPES, L2_MODES, Ops, Options, k3_ops_ops
 from .timing import Timer
 
 SECTIONS = {"mix": mix, "fused": fused, "layer": layer, "host": host, "train": train}
 DEFAULT_SECTIONS = ["mix", "fused", "layer", "host", "train"]
+COMMANDS = ("report", "plan", "variants")
 
 
 def _ints(text: str) -> list[int]:
@@ -23,14 +24,25 @@ def _json_arg(text: str) -> dict:
     return json.loads(Path(text[1:]).read_text() if text.startswith("@") else text)
 
 
+def l2_arg(text: str) -> list[str]:
+    """``--l2``: warm, cold or both."""
+    if text == "both":
+        return list(L2_MODES)
+    if text not in L2_MODES:
+        raise argparse.ArgumentTypeError(f"--l2 must be warm, cold or both, got {text!r}")
+    return [text]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m k3_ops.bench",
         description="Benchmarks of the kimi_k3 ops, on the best device present. Sections: mix (attn_res), "
-                    "fused (fused_attn_res vs unfused), layer (a captured 24-layer decode step), host (eager "
-                    "call cost), train (forward + backward); no section names all of them. Each writes "
+                    "fused (fused_attn_res and fused_attn_res_ vs unfused), layer (a captured 24-layer decode step), "
+                    "host (eager call cost), train (forward + backward); no section names all of them. Each writes "
                     "<section>.json, <section>.md (the table) and, for mix and fused, <section>.png under --out. "
-                    "'python -m k3_ops.bench report FILE.json ...' prints saved results as Markdown tables.")
+                    "Commands: 'report' (docs/benchmarks.md from docs/data/*.json, or saved results as tables), "
+                    "'plan' (the launch table as a picture), 'variants' (a launch-table cell's alternatives timed "
+                    "beside its entry); '<command> --help' for each.")
     p.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {', '.join(SECTIONS)} (default: all)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
@@ -41,12 +53,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_ints, default=None, help="comma list of T for every section run")
     p.add_argument("--blocks", type=_ints, default=None, help="comma list of K for every section run")
     p.add_argument("--layouts", default=None, type=lambda s: s.split(","),
-                   help="comma list of token / block (default: mix both, the other sections token)")
+                   help="comma list of token / block (default: token; mix on a CPU and with --full: both)")
+    p.add_argument("--l2", type=l2_arg, default=None, metavar="warm|cold|both",
+                   help="mix, fused, layer on a GPU: time with a warm L2 (the same inputs replayed), a cold one "
+                        "(input sets together > 3x the L2; the layer step: an L2-sized read between its calls, "
+                        "subtracted) or both (default: cold)")
     p.add_argument("--quick", action="store_true", help="a smoke grid and short measurements")
+    p.add_argument("--full", action="store_true",
+                   help="the full grids (every serving T, block-major too) instead of the lean defaults")
     p.add_argument("--rep", type=float, default=20.0, help="milliseconds per measurement (graph replay, batch)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU: torch threads while timing (default 1: a fixed count, reported with each table)")
     p.add_argument("--plain", action="store_true", help="mix, fused: add plain-launch columns (cold L2)")
     p.add_argument("--no-refs", action="store_true",
-                   help="skip the reference rows (eager formula, torch.compile, unfused sequence)")
+                   help="skip the reference rows (eager formula, torch.compile, unfused sequence, floors)")
     p.add_argument("--max-ref-tokens", type=int, default=None, help="skip the reference formulas above this T")
     p.add_argument("--layers", type=int, default=layer.LAYERS, help="layer: decoder layers per step")
     p.add_argument("--configs", type=_json_arg, default=None,
@@ -58,6 +78,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: when stderr is a terminal)")
     p.add_argument("--out", default="bench_out", help="directory for the JSON, Markdown and PNG files")
+    p.add_argument("--formats", default=",".join(writer.FORMATS), type=lambda s: s.split(","),
+                   help="comma list of what to write: json, md, png (default: all three)")
     return p
 
 
@@ -77,50 +99,70 @@ def variants(args: argparse.Namespace, device: torch.device) -> dict[str, Ops]:
     return ops
 
 
-def report(argv: list[str]) -> None:
-    """Print saved results as Markdown tables (how docs/benchmarks.md's tables are made); ``--plot DIR`` also
-    draws their PNGs there (for results measured where matplotlib was not installed)."""
-    p = argparse.ArgumentParser(prog="python -m k3_ops.bench report")
-    p.add_argument("files", nargs="+", help="<section>.json files written by a run")
-    p.add_argument("--plot", default=None, metavar="DIR", help="also write <section>.png for each into DIR")
-    args = p.parse_args(argv)
-    for path in args.files:
-        result = json.loads(Path(path).read_text())
-        print(writer.render(result, "markdown"))
-        if args.plot and result.get("plot") and result["rows"]:
-            Path(args.plot).mkdir(parents=True, exist_ok=True)
-            png = Path(args.plot) / f"{result['section']}.png"
-            if writer.plot(result, png):
-                print(f"<!-- wrote {png} -->")
+def options(args: argparse.Namespace) -> Options:
+    return Options(device=args.device, dtype=args.dtype, weight_dtype=args.weight_dtype, hidden=args.hidden,
+                   capacity=args.capacity, tokens=args.tokens, blocks=args.blocks, layouts=args.layouts,
+                   rep_ms=args.rep, quick=args.quick, full=args.full, plain=args.plain, refs=not args.no_refs,
+                   max_ref_tokens=args.max_ref_tokens, progress=args.progress, l2=args.l2,
+                   extra={"layers": args.layers}).resolved()
+
+
+def cpu_threads(requested: int | None) -> int:
+    """Fix torch's CPU thread count for the timing (``requested``, default 1: on a machine whose cores are busy,
+    two OpenMP threads per op wait on each other and a cell's time jumps by orders of magnitude); returns the count
+    before, to restore."""
+    before = torch.get_num_threads()
+    count = 1 if requested is None else requested
+    if count < 1:
+        raise ValueError(f"--threads must be >= 1, got {count}")
+    torch.set_num_threads(count)
+    return before
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
-    """Run the sections named in ``argv`` (default: all), write their files; returns {section: result}."""
+    """Run the sections named in ``argv`` (default: all), write their files; returns {section: result}. The first
+    word may instead name a command (``report``, ``plan``, ``variants``), which gets the rest."""
     argv = list(argv or [])
     if argv[:1] == ["report"]:
-        report(argv[1:])
+        from . import report
+
+        report.main(argv[1:])
         return {}
+    if argv[:1] == ["plan"]:
+        from . import plan
+
+        plan.main(argv[1:])
+        return {}
+    if argv[:1] == ["variants"]:
+        from . import variants as variants_cmd
+
+        return variants_cmd.main(argv[1:])
     p = parser()
     args = p.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:
-        p.error(f"unknown section {unknown[0]!r}: choose from {', '.join(SECTIONS)}")
-    opts = Options(device=args.device, dtype=args.dtype, weight_dtype=args.weight_dtype, hidden=args.hidden,
-                   capacity=args.capacity, tokens=args.tokens, blocks=args.blocks, layouts=args.layouts,
-                   rep_ms=args.rep, quick=args.quick, plain=args.plain, refs=not args.no_refs,
-                   max_ref_tokens=args.max_ref_tokens, progress=args.progress,
-                   extra={"layers": args.layers}).resolved()
+        p.error(f"unknown section {unknown[0]!r}: choose from {', '.join(SECTIONS)} (or a command: "
+                f"{', '.join(COMMANDS)})")
+    bad = [f for f in args.formats if f not in writer.FORMATS]
+    if bad:
+        p.error(f"--formats must come from {', '.join(writer.FORMATS)}, got {bad[0]!r}")
+    opts = options(args)
     device = opts.torch_device
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-    timer = Timer(device, opts.rep_ms, quick=opts.quick)
-    ops = variants(args, device)
-    results, written = {}, {}
-    for name in args.sections or DEFAULT_SECTIONS:
-        section_ops = ops if name in ("mix", "train") else {"k3_ops": ops["k3_ops"]}
-        results[name] = SECTIONS[name].run(opts, timer, section_ops)
-        written[name] = writer.write(results[name], args.out)
+    threads_before = cpu_threads(args.threads) if device.type == "cpu" else None
+    try:
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.backends.cuda.matmul.allow_tf32 = False
+        timer = Timer(device, opts.rep_ms, quick=opts.quick)
+        ops = variants(args, device)
+        results, written = {}, {}
+        for name in args.sections or DEFAULT_SECTIONS:
+            section_ops = ops if name in ("mix", "train") else {"k3_ops": ops["k3_ops"]}
+            results[name] = SECTIONS[name].run(opts, timer, section_ops)
+            written[name] = writer.write(results[name], args.out, formats=args.formats)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        if threads_before is not None:
+            torch.set_num_threads(threads_before)
     results["_written"] = {n: {k: str(p) for k, p in w.items()} for n, w in written.items()}
     return results

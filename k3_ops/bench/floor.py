@@ -1,4 +1,5 @@
-"""The measured floor under a serving call: the ``floor`` column of the mix and fused sections (CUDA only).
+"""The measured floors under a serving call: the ``floor``, ``floor_stream`` and ``floor_row`` rows of the mix, fused
+and layer sections (CUDA only; a cell's floor is the fastest of them).
 
 A Triton kernel that does only what no design of the op can skip, in the op's dependency order and with its PDL
 launch: read every row the call reads (the prefix, the addend, the K candidate rows), store what the call stores
@@ -18,11 +19,12 @@ many small 4-warp programs (at most 32 FP32 values per thread; 28 programs per t
 many tiles are in flight on every SM and the bytes, not a program's chain, set the time: the floor under the
 bandwidth-bound shapes, where graph replay may still serve rows from L2 faster than the copy bandwidth.
 
-A third geometry, ``row`` (not a bench column; tools/floor_rows.py times it): one program per token walking its
-rows one at a time, the prefix first, through a software-pipelined loop (``ROW_WARPS`` warps, ``ROW_STAGES``
-stages), each row's reduction before its contribution to the output: the floor under the launch table's one-row
-plans (one program per token, one row at a time), which neither of the others bounds at K = 8 from 64 tokens (the
-tile floor's padded tile is slower than the op there, and the stream floor splits a token without its exchange).
+A third geometry, ``row`` (the column ``floor_row``): one program per token walking its rows one at a time, the
+prefix first, through a software-pipelined loop (``ROW_WARPS`` warps, ``ROW_STAGES`` stages by default; ``warps`` and
+``stages`` pick another form, ``ROW_FORMS`` are the ones ``python -m k3_ops.bench variants --floors`` times), each
+row's reduction before its contribution to the output: the floor under the launch table's one-row plans (one
+program per token, one row at a time), which neither of the others bounds at K = 8 from 64 tokens (the tile floor's
+padded tile is slower than the op there, and the stream floor splits a token without its exchange).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import triton.language as tl
 from ..kernels.attn_res_fwd import gdc_launch_dependents_if, gdc_wait_if
 
 __all__ = ["mix_floor", "fused_floor", "mix_floor_stream", "fused_floor_stream", "mix_floor_row", "fused_floor_row",
-           "prefix_candidate", "GEOMETRIES"]
+           "prefix_candidate", "GEOMETRIES", "ROW_FORMS", "row_form"]
 
 GEOMETRIES = ("tile", "stream", "row")
 #: Tokens up to which the tile geometry splits a token over SPLIT programs.
@@ -44,6 +46,8 @@ _MAX_TILE = 16 * 32 * 64  # 16 warps x 64 values
 STREAM_BLOCK, STREAM_WARPS = 1024, 4
 #: Warps per program and pipeline stages of the row geometry (the table's one-row plan: 4 warps, 3 stages).
 ROW_WARPS, ROW_STAGES = 4, 3
+#: The row geometry's forms worth timing beside the default: (warps, stages).
+ROW_FORMS = tuple((warps, stages) for warps in (4, 8) for stages in (1, 2, 3))
 
 
 @triton.jit
@@ -51,7 +55,7 @@ def prefix_candidate(prefix_ptr, addend_ptr, blocks_ptr, new_prefix_ptr, t, cols
                      stride_bt, stride_bc, H, write_idx, HAS_ADDEND: tl.constexpr):
     # The prefix candidate as the call has it, in FP32, and the call's stores of it: with an addend the new prefix
     # (one FP32 add rounded to the I/O dtype, as torch's add) into new_prefix and, where write_idx >= 0, the
-    # snapshot slot. Every geometry's (and tools/floor_rows.py's ladders').
+    # snapshot slot. Every geometry's.
     v = tl.load(prefix_ptr + t * stride_pt + cols, mask=mask, other=0.0)
     if HAS_ADDEND:
         a = tl.load(addend_ptr + t * stride_at + cols, mask=mask, other=0.0)
@@ -96,8 +100,8 @@ def _floor_stream_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix
     # The same work as _floor_kernel in another form: the K block rows in a [ROWS, BLOCK] tile (ROWS =
     # next_pow2(K), not next_pow2(K + 1): 8 rows at K = 8, not 16) and the prefix (and addend) apart as [1, BLOCK]
     # tiles, whose columns are laid out as the block tile's; every warp spans whole row pieces (BLOCK >= 256 x
-    # warps). Timed beside other forms (docs/benchmarks.md, "Physical limits"): tiles padded to 16 rows, or narrower
-    # than the warps, moved 0.11-0.65 of the copy bandwidth at T = 16384.
+    # warps). Tiles padded to 16 rows, or narrower than the warps, moved 0.11-0.65 of the copy bandwidth at
+    # T = 16384 where this form moves the most.
     pid = tl.program_id(0)
     t = (pid // PROGRAMS).to(tl.int64)
     cols = ((pid % PROGRAMS) * BLOCK + tl.arange(0, BLOCK))[None, :]
@@ -142,14 +146,15 @@ def _floor_row_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix_pt
     tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _geometry(T: int, K: int, H: int, geometry: str = "tile") -> tuple[int, int, int, int]:
+def _geometry(T: int, K: int, H: int, geometry: str = "tile",
+              row_warps: int | None = None) -> tuple[int, int, int, int]:
     """(rows per tile, programs per token, columns per program, warps)."""
     rows = triton.next_power_of_2(K + 1)
     if geometry == "stream":  # the prefix apart: next_pow2(K) block rows; 1024 columns, 4 warps
         block = min(STREAM_BLOCK, triton.next_power_of_2(H))
         return triton.next_power_of_2(max(K, 1)), triton.cdiv(H, block), block, STREAM_WARPS
     if geometry == "row":  # one program per token, one row of next_pow2(H) columns at a time
-        return 1, 1, triton.next_power_of_2(H), ROW_WARPS
+        return 1, 1, triton.next_power_of_2(H), row_warps or ROW_WARPS
     if geometry != "tile":
         raise ValueError(f"geometry must be one of {GEOMETRIES}, got {geometry!r}")
     programs = SPLIT if T <= SPLIT_MAX_T else 1
@@ -161,18 +166,19 @@ def _geometry(T: int, K: int, H: int, geometry: str = "tile") -> tuple[int, int,
 
 
 def _launch(prefix: torch.Tensor, addend: torch.Tensor | None, blocks: torch.Tensor, K: int, eps: float,
-            write_idx: int, norm: bool, geometry: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+            write_idx: int, norm: bool, geometry: str, warps: int | None = None,
+            stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     from ..backends.cuda import pdl_enabled
 
     T, H = prefix.shape
-    rows, programs, block, warps = _geometry(T, K, H, geometry)
+    rows, programs, block, warps = _geometry(T, K, H, geometry, warps)
     out = torch.empty((T, H), dtype=prefix.dtype, device=prefix.device)
     new_prefix = torch.empty_like(out) if addend is not None else None
     pdl = pdl_enabled(prefix.device)
     extra = {"launch_pdl": True} if pdl else {}
     kernel = {"stream": _floor_stream_kernel, "row": _floor_row_kernel}.get(geometry, _floor_kernel)
     if geometry == "row":
-        extra["STAGES"] = ROW_STAGES
+        extra["STAGES"] = stages or ROW_STAGES
     kernel[(T * programs,)](
         prefix, addend if addend is not None else prefix, blocks, out, new_prefix if new_prefix is not None else out,
         prefix.stride(0), (addend if addend is not None else prefix).stride(0), blocks.stride(0), blocks.stride(1),
@@ -181,16 +187,20 @@ def _launch(prefix: torch.Tensor, addend: torch.Tensor | None, blocks: torch.Ten
     return out, new_prefix
 
 
-def mix_floor(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, *, geometry="tile"):
-    """The floor under ``attn_res`` at this call's shape (same arguments; the output is not the op's)."""
-    return _launch(prefix_sum, None, block_residual, int(num_valid_blocks), float(eps), -1, False, geometry)[0]
+def mix_floor(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, *, geometry="tile",
+              warps=None, stages=None):
+    """The floor under ``attn_res`` at this call's shape (same arguments; the output is not the op's); ``warps``
+    and ``stages``: the row geometry's form (default ``ROW_WARPS``, ``ROW_STAGES``)."""
+    return _launch(prefix_sum, None, block_residual, int(num_valid_blocks), float(eps), -1, False, geometry, warps,
+                   stages)[0]
 
 
 def fused_floor(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
-                block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, geometry="tile"):
+                block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, geometry="tile", warps=None,
+                stages=None):
     """The floor under ``fused_attn_res`` at this call's shape (same arguments; the outputs are not the op's)."""
     return _launch(prefix_sum, addend, block_residual, int(num_valid_blocks), float(eps), int(block_write_idx),
-                   out_norm_weight is not None, geometry)
+                   out_norm_weight is not None, geometry, warps, stages)
 
 
 def mix_floor_stream(*args):
@@ -211,3 +221,11 @@ def mix_floor_row(*args):
 def fused_floor_row(*args):
     """``fused_floor`` with the row geometry."""
     return fused_floor(*args, geometry="row")
+
+
+def row_form(fn, warps: int, stages: int):
+    """``mix_floor`` or ``fused_floor`` in the row geometry's form (``warps``, ``stages``): a callable with the op's
+    arguments."""
+    def call(*args):
+        return fn(*args, geometry="row", warps=warps, stages=stages)
+    return call

@@ -3,15 +3,16 @@
 Per call and T (K = 8 by default): wall time per eager call (N back-to-back calls, then one synchronize: host
 cost and device time together, whichever is longer), and the graph-replay time of the same call (the device
 time alone, launch cost amortised). "wall / graph" near 1 means the call is device-bound; far above 1, the
-host path is what the caller waits for. Calls: ``torch.add`` of two [T, H] tensors (a C++ op: the yardstick),
-``attn_res``, ``fused_attn_res`` (addend, snapshot, output norm) and one training step (forward, then
+host path is what the caller waits for. Calls: ``torch.add`` of two [T, H] tensors (a C++ op: the yardstick, the
+floor of an eager call), ``attn_res``, ``fused_attn_res`` (addend, snapshot, output norm), ``fused_attn_res_`` (the
+same, the prefix updated in place, on its own copy of the prefix) and one training step (forward, then
 ``torch.autograd.grad`` of prefix_sum).
 """
 from __future__ import annotations
 
 import torch
 
-from .common import Ops, Options, Problem, environment, k3_ops_ops, progress
+from .common import Ops, Options, Problem, environment, k3_ops_ops, progress, section_params
 from .timing import Timer
 
 DEFAULTS = {
@@ -30,9 +31,12 @@ def _calls(ops: Ops, problem: Problem, T: int, K: int, write: int) -> dict:
     args = problem.attn_res_args(T, K)
     if ops.attn_res is not None:
         calls["attn_res"] = lambda: ops.attn_res(*args)
+    fargs = problem.fused_args(T, K, write)
     if ops.fused is not None:
-        fargs = problem.fused_args(T, K, write)
         calls["fused_attn_res"] = lambda: ops.fused(*fargs)
+    if ops.fused_inplace is not None:
+        iargs = (fargs[0].clone(), *fargs[1:])
+        calls["fused_attn_res_"] = lambda: ops.fused_inplace(*iargs)
     if ops.attn_res is not None:
         leaf = args[0].detach().requires_grad_(True)
         grad_out = torch.ones_like(args[0])
@@ -73,6 +77,10 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
                     for call, fn in calls.items():
                         row = {"impl": impl, "call": call, "T": T, "K": K}
                         row["wall_us"] = timer.wall(fn, eager_calls)
+                        row["spread"] = timer.last.relative
+                        if timer.last.wide:
+                            notes.append(f"wide spread: {impl} {call} at T={T}: interquartile range "
+                                         f"{100 * timer.last.relative:.0f} % of the median")
                         if timer.is_cuda:
                             try:
                                 row["graph_us"] = timer.graph(fn)
@@ -85,14 +93,18 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
                         rows.append(row)
             problem.restore(K)
     del problem
+    for row in rows:
+        floor = next((r["wall_us"] for r in rows if r["call"] == "torch.add" and r["T"] == row["T"]), None)
+        if floor and row["call"] != "torch.add":
+            row["floor_us"], row["floor_frac"] = floor, floor / row["wall_us"]
     columns = [["impl", "impl", ""], ["call", "call", ""], ["T", "T", "d"], ["K", "K", "d"],
-               ["wall_us", "eager wall us/call", ".1f"]]
+               ["wall_us", "eager wall us/call", ".1f"], ["spread", "IQR/median", ".2f"],
+               ["floor_frac", "torch.add / call", ".2f"]]
     if timer.is_cuda:
         columns += [["graph_us", "graph replay us", ".2f"], ["ratio", "wall / graph", ".2f"]]
     timing = (f"wall time per call of {eager_calls} back-to-back eager calls + one sync; graph replay"
               if timer.is_cuda else "wall time per eager call")
     return {"section": "host", "title": "host cost of one eager call", "environment": environment(device),
             "limits": limits,
-            "params": {"dtype": opts.dtype, "weight_dtype": opts.weight_dtype or opts.dtype, "hidden": H,
-                       "capacity": cap, "timing": timing},
+            "params": section_params(opts, timer, H, cap, [], timing=timing, eager_calls=eager_calls),
             "columns": columns, "rows": rows, "notes": notes}

@@ -1,14 +1,18 @@
 """Section ``train``: forward + backward of one ``attn_res`` call at training shapes.
 
-Per (layout, T, K), for each implementation: the time of one step (the forward, then ``torch.autograd.grad`` of
-all four inputs with a fixed incoming gradient; plain launches, each timed alone with a cold L2, median; wall time
-on a CPU), the peak memory it allocates beyond what existed before it, and that peak less the gradients it
-returns (which every implementation must allocate): O(T * H) for k3_ops (grad_out copies, workspace), O(T * K * H)
-for the eager graph's saved FP32 intermediates. Implementations: ``ops[name].attn_res`` with its registered
-autograd, and the references: autograd of the FP32 formula (``eager``) and of ``torch.compile`` of it
-(``compile``, GPU only). The backward op is also timed alone (``ops[name].backward``) against the bytes it must
-move: K + 1 candidate rows and grad_out read, C + 1 gradient rows written (grad_block_residual at full capacity,
-grad_prefix_sum), per token.
+Per (layout, T, K), for each implementation: one step (the forward, then ``torch.autograd.grad`` of all four inputs
+with a fixed incoming gradient) timed with ``Timer.phases``: every sample times the forward and the backward of
+one step (plain launches, each step alone with a cold L2, device time, on a GPU; wall time of batches of steps on a
+CPU), so the step's figure is the median of whole steps and the forward and backward figures the medians of their
+phases, and no phase is reported slower than the step it is part of. On a GPU also the peak memory the step
+allocates beyond what existed before it, and that peak less the gradients it returns (which every implementation
+must allocate): O(T * H) for k3_ops (grad_out copies, workspace), O(T * K * H) for the eager graph's saved FP32
+intermediates. Implementations: ``ops[name].attn_res`` with its registered autograd, and the references: autograd
+of the FP32 formula (``eager``) and of ``torch.compile`` of it (``compile``, GPU only). The backward's fraction of
+copy bandwidth counts the bytes it must move: K + 1 candidate rows and grad_out read, C + 1 gradient rows written
+(grad_block_residual at full capacity, grad_prefix_sum), per token. Backward variants (``Ops`` with a ``backward``
+and no ``attn_res``, e.g. ``--bwd-configs``) are timed as the backward op alone (plain launches), beside the
+registered backward op timed the same way.
 """
 from __future__ import annotations
 
@@ -17,13 +21,14 @@ from functools import partial
 
 import torch
 
-from .common import Ops, Options, Problem, environment, k3_ops_ops, progress
+from .common import Ops, Options, Problem, environment, k3_ops_ops, progress, section_params
 from .mix import reference_impls
 from .timing import Timer, synchronize
 
 DEFAULTS = {
     "all": {"hidden": 7168, "capacity": 8, "layouts": ["token"]},
-    "gpu": {"tokens": [1024, 4096, 16384], "blocks": [1, 4, 8]},
+    "gpu": {"tokens": [1024, 16384], "blocks": [1, 8]},
+    "full-gpu": {"tokens": [1024, 4096, 16384], "blocks": [1, 4, 8]},
     "cpu": {"tokens": [16, 64], "blocks": [1, 8]},
     "quick": {"tokens": [16], "blocks": [4]},
     "quick-cpu": {"hidden": 256},
@@ -34,17 +39,26 @@ def backward_bytes(T: int, K: int, C: int, H: int, itemsize: int) -> int:
     return T * H * itemsize * ((K + 1) + 1 + (C + 1))
 
 
-def step_fn(attn_res: Callable, call_args: tuple, grad_out: torch.Tensor) -> Callable[[], tuple]:
-    """One training step: forward, then the gradients of all four tensor inputs (fresh leaves; a block-major
-    view stays a view)."""
+def step_phases(attn_res: Callable, call_args: tuple, grad_out: torch.Tensor) -> tuple[Callable, Callable]:
+    """One training step as its two phases: ``forward() -> out`` and ``backward(out) -> gradients`` of all four
+    tensor inputs (fresh leaves; a block-major view stays a view)."""
     prefix, blocks, nw, pw, K, eps = call_args
     leaves = tuple(t.detach().requires_grad_(True) for t in (prefix, blocks, nw, pw))
 
-    def step():
-        out = attn_res(*leaves, K, eps)
+    def forward():
+        with torch.enable_grad():
+            return attn_res(*leaves, K, eps)
+
+    def backward(out):
         return torch.autograd.grad(out, leaves, grad_out)
 
-    return step
+    return forward, backward
+
+
+def step_fn(attn_res: Callable, call_args: tuple, grad_out: torch.Tensor) -> Callable[[], tuple]:
+    """One training step: forward, then the gradients of all four tensor inputs."""
+    forward, backward = step_phases(attn_res, call_args, grad_out)
+    return lambda: backward(forward())
 
 
 def peak_extra(step: Callable[[], tuple], device: torch.device) -> tuple[float, float]:
@@ -72,7 +86,8 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
     refs = (reference_impls(device) if opts.refs else {}) if refs is None else refs
     forwards = {n: o.attn_res for n, o in ops.items() if o.attn_res is not None}
     forwards.update({n: f for n, f in refs.items() if n not in forwards})
-    backwards = {n: o.backward for n, o in ops.items() if o.backward is not None}
+    variants = any(o.backward is not None and o.attn_res is None for o in ops.values())
+    backwards = {n: o.backward for n, o in ops.items() if o.backward is not None} if variants else {}
     H, cap = opts.pick(DEFAULTS, "hidden"), opts.pick(DEFAULTS, "capacity")
     tokens, ks = opts.pick(DEFAULTS, "tokens"), opts.pick(DEFAULTS, "blocks")
     layouts = opts.pick(DEFAULTS, "layouts")
@@ -99,11 +114,18 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
                     for name, fwd in forwards.items():
                         if name in refs and opts.max_ref_tokens and T > opts.max_ref_tokens:
                             continue
-                        step = step_fn(fwd, call_args, gy)
+                        forward, backward = step_phases(fwd, call_args, gy)
                         try:
                             if is_cuda:
-                                row[f"peak:{name}"], row[f"peak_less_grads:{name}"] = peak_extra(step, device)
-                            row[f"us:{name}"] = timer.launch(step)
+                                row[f"peak:{name}"], row[f"peak_less_grads:{name}"] = peak_extra(
+                                    lambda f=forward, b=backward: b(f()), device)
+                            whole, row[f"fwd_us:{name}"], row[f"bwd_us:{name}"] = timer.phases(forward, backward)
+                            row[f"us:{name}"] = whole
+                            row[f"bwd_bw:{name}"] = row["bytes"] / (row[f"bwd_us:{name}"] * 1e-6) / bw
+                            row[f"spread:{name}"] = timer.last.relative
+                            if timer.last.wide:
+                                notes.append(f"wide spread: {name} at {layout}-major T={T} K={K}: interquartile "
+                                             f"range {100 * timer.last.relative:.0f} % of the median")
                         except torch.OutOfMemoryError:
                             row[f"us:{name}"] = float("nan")  # the unfused graph does not fit: that is the point
                         except Exception as e:  # noqa: BLE001 - a reference's failure is noted, not the run's end
@@ -113,12 +135,11 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
                             first_line = (str(e).strip().splitlines() or [""])[0][:160]
                             notes.append(f"{name} failed at {layout}-major T={T} K={K}: {type(e).__name__}"
                                          + (f": {first_line}" if first_line else ""))
-                        del step
+                        del forward, backward
                         if is_cuda:
                             torch.cuda.empty_cache()
                     for name, bwd in backwards.items():
-                        row[f"bwd_us:{name}"] = us = timer.launch(partial(bwd, gy, *call_args, [True, True, True]))
-                        row[f"bwd_bw:{name}"] = row["bytes"] / (us * 1e-6) / bw
+                        row[f"bwd_op_us:{name}"] = timer.launch(partial(bwd, gy, *call_args, [True, True, True]))
                     first = next(iter(ops), None)
                     if first and row.get("us:compile") and row.get(f"us:{first}"):
                         row["vs_compile"] = row["us:compile"] / row[f"us:{first}"]
@@ -131,18 +152,22 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
     names = [n for n in forwards if any(f"us:{n}" in r for r in rows)]
     columns = [["layout", "layout", ""], ["T", "T", "d"], ["K", "K", "d"]]
     columns += [[f"us:{n}", f"{n} fwd+bwd us", ".1f"] for n in names]
+    columns += [[f"fwd_us:{n}", f"{n} fwd us", ".1f"] for n in names[:1]]
+    columns += [[f"bwd_us:{n}", f"{n} bwd us", ".1f"] for n in names]
+    if names:
+        columns += [[f"spread:{names[0]}", f"{names[0]} IQR/median", ".2f"],
+                    [f"bwd_bw:{names[0]}", f"{names[0]} bwd of BW", ".3f"]]
     if is_cuda:
         columns += [[f"peak_less_grads:{n}", f"{n} MiB", ".1f"] for n in names]
-    columns += [[f"bwd_us:{n}", f"{n} bwd us", ".1f"] for n in backwards]
-    columns += [[f"bwd_bw:{n}", f"{n} bwd of BW", ".3f"] for n in backwards]
+    columns += [[f"bwd_op_us:{n}", f"{n} bwd op alone us", ".1f"] for n in backwards]
     if any("vs_compile" in r for r in rows):
         columns.append(["vs_compile", "compile / " + next(iter(ops)), ".2f"])
     if is_cuda:
         notes.insert(0, "MiB: peak memory of one forward + backward step beyond what existed before it, less the "
                         "gradients it returns")
-    timing = "plain launches, cold L2, median" if is_cuda else "wall time per call"
+    timing = ("plain launches, cold L2, median; forward and backward phases of the same steps" if is_cuda
+              else "wall time per step, median of batches; forward and backward phases of the same steps")
     return {"section": "train", "title": "attn_res forward + backward", "environment": environment(device),
             "limits": limits,
-            "params": {"dtype": opts.dtype, "weight_dtype": opts.weight_dtype or opts.dtype, "hidden": H,
-                       "capacity": cap, "timing": timing, "nan_in_unused_slots": True},
+            "params": section_params(opts, timer, H, cap, [], timing=timing, nan_in_unused_slots=True),
             "columns": columns, "rows": rows, "notes": notes}

@@ -3,7 +3,8 @@
 A result is a plain dict: ``section``, ``title``, ``environment`` (device, versions, commit), ``limits`` (copy
 bandwidth, graph node: same run), ``params`` (dtype, H, capacity, timing method, ...), ``columns`` (``[key,
 header, format]``) and ``rows`` (flat dicts keyed by the column keys). ``plot`` (optional) names what to draw:
-``{"series": [name, ...]}`` for rows holding ``T``, ``K``, ``layout``, ``us:<name>`` and ``bw:<name>``.
+``{"series": [name, ...], "refs": [name, ...], "floor": bool}`` for rows holding ``T``, ``K``, ``layout``, ``l2``,
+``bytes``, ``us:<name>`` and ``floor_us``.
 ``python -m k3_ops.bench report FILE.json ...`` renders saved results as Markdown again (docs/benchmarks.md's
 tables are made so).
 """
@@ -13,7 +14,7 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["header", "render", "write", "plot"]
+__all__ = ["FORMATS", "header", "render", "write", "plot", "figure"]
 
 
 def _fmt(value, fmt: str) -> str:
@@ -37,11 +38,22 @@ def header(result: dict) -> str:
         parts.append(shape)
     if prm.get("timing"):
         parts.append(str(prm["timing"]))
+    if prm.get("l2"):
+        parts.append("L2 " + " and ".join(prm["l2"]))
+    if prm.get("threads"):
+        parts.append(f"{prm['threads']} CPU thread{'s' if prm['threads'] > 1 else ''} (torch.set_num_threads)")
     if lim.get("copy_bandwidth_Bps"):
         parts.append(f"copy bandwidth {lim['copy_bandwidth_Bps'] / 1e12:.3f} TB/s (read + write)")
     if lim.get("graph_node_us"):
         parts.append(f"graph node {lim['graph_node_us']:.2f} us")
+    if lim.get("l2_bytes"):
+        parts.append(f"L2 {lim['l2_bytes'] / 2**20:.0f} MiB")
     return " | ".join(parts)
+
+
+def _notes(result: dict) -> list[str]:
+    prm = result.get("params") or {}
+    return ([prm["cpu_note"]] if prm.get("cpu_note") else []) + list(result.get("notes") or [])
 
 
 def render(result: dict, style: str = "text") -> str:
@@ -49,29 +61,40 @@ def render(result: dict, style: str = "text") -> str:
     cols = result["columns"]
     cells = [[_fmt(row.get(key), fmt) for key, _, fmt in cols] for row in result["rows"]]
     heads = [head for _, head, _ in cols]
+    notes = _notes(result)
     if style == "markdown":
         align = ["---" if not cols[i][2] else "---:" for i in range(len(cols))]
         lines = [f"_{header(result)}_", "", "| " + " | ".join(heads) + " |", "|" + "|".join(align) + "|"]
         lines += ["| " + " | ".join(r) + " |" for r in cells]
-        notes = result.get("notes") or []
         return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(heads)]
     lines = ["# " + header(result), "  ".join(h.rjust(w) for h, w in zip(heads, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
-    lines += [f"# {n}" for n in result.get("notes") or []]
+    lines += [f"# {n}" for n in notes]
     return "\n".join(lines)
 
 
-def write(result: dict, out_dir: str | Path, *, echo: bool = True) -> dict[str, Path]:
-    """Print the table and write ``<section>.json``, ``<section>.md`` and (where the section plots and
-    matplotlib is installed) ``<section>.png`` under ``out_dir``; returns the paths written."""
+FORMATS = ("json", "md", "png")
+
+
+def write(result: dict, out_dir: str | Path, *, echo: bool = True,
+          formats: tuple[str, ...] | list[str] = FORMATS) -> dict[str, Path]:
+    """Print the table and write, of ``formats``, ``<section>.json``, ``<section>.md`` and (where the section plots
+    and matplotlib is installed) ``<section>.png`` under ``out_dir``; returns the paths written."""
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise ValueError(f"formats must come from {FORMATS}, got {bad[0]!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = result["section"]
-    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
-    paths["json"].write_text(json.dumps(result, indent=1))
-    paths["md"].write_text(render(result, "markdown"))
-    if result.get("plot") and result["rows"]:
+    paths = {}
+    if "json" in formats:
+        paths["json"] = out / f"{name}.json"
+        paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    if "md" in formats:
+        paths["md"] = out / f"{name}.md"
+        paths["md"].write_text(render(result, "markdown"))
+    if "png" in formats and result.get("plot") and result["rows"]:
         png = out / f"{name}.png"
         if plot(result, png):
             paths["png"] = png
@@ -82,73 +105,97 @@ def write(result: dict, out_dir: str | Path, *, echo: bool = True) -> dict[str, 
 
 
 def plot(result: dict, path: Path) -> bool:
-    """Time per call and fraction of copy bandwidth against T, one line per K (solid token-major, dashed
-    block-major), the copy-bandwidth limit drawn in both panels and the graph-node floor in the first."""
+    """Draw ``figure(result)`` into ``path`` (PNG); False, with a line saying why, without matplotlib."""
+    fig = figure(result)
+    if fig is None:
+        print("# matplotlib is not installed: no plot (pip install -e '.[bench]')")
+        return False
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return True
+
+
+_STYLES = {"warm": "-", "cold": "--"}
+
+
+def figure(result: dict):
+    """Time per call against T, one panel per K: every series the table holds (the op's forms, the reference
+    formulas, the fastest floor), solid for a warm L2 and dashed for a cold one, the limit (graph node + bytes the
+    call must move / the run's copy bandwidth) and the graph-node time; the y range spans every line drawn.
+    Token-major rows (block-major ones as their own series). None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("# matplotlib is not installed: no plot (pip install -e '.[bench]')")
-        return False
-    rows, series = result["rows"], result["plot"]["series"]
+        return None
+    rows, spec = result["rows"], result.get("plot") or {}
+    series = list(spec.get("series", [])) + list(spec.get("refs", []))
     limits = result.get("limits") or {}
     bw, node = limits.get("copy_bandwidth_Bps"), limits.get("graph_node_us")
     ks = sorted({r["K"] for r in rows})
-    cmap = plt.get_cmap("viridis")
-    colors = {K: cmap(i / max(len(ks) - 1, 1) * 0.9) for i, K in enumerate(ks)}
-    styles = ["-", "--", ":", "-."]
-    markers = ["o", "s", "^", "v", "D"]
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(13, 5.2))
-    keys = [(s, lay) for s in series for lay in ("token", "block")
-            if any(r.get("layout", "token") == lay and r.get(f"us:{s}") for r in rows)]
-    for ki, (name, layout) in enumerate(keys):
-        for K in ks:
-            pts = sorted((r["T"], r[f"us:{name}"], r.get(f"bw:{name}")) for r in rows
-                         if r["K"] == K and r.get("layout", "token") == layout and r.get(f"us:{name}"))
-            if not pts:
-                continue
-            label = f"K={K}" + (f" {name}" if len(series) > 1 else "") + f" {layout}-major"
-            kw = dict(color=colors[K], ls=styles[ki % len(styles)], marker=markers[ki % len(markers)], ms=3.5)
-            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **kw)
-            if bw:
-                ax_b.plot([p[0] for p in pts], [p[2] for p in pts], label=label, **kw)
-    if bw:
-        # The copy-bandwidth limit as a time: bytes the call must move / copy bandwidth (one thin line per K).
-        for K in ks:
-            pts = sorted({(r["T"], r["bytes"]) for r in rows if r["K"] == K})
-            ax_t.plot([p[0] for p in pts], [1e6 * b / bw for _, b in pts], color=colors[K], lw=0.8, ls=(0, (1, 2)))
-        ax_t.plot([], [], color="gray", lw=0.8, ls=(0, (1, 2)), label="copy-bandwidth limit (per K)")
-        ax_b.axhline(1.0, color="crimson", lw=1.2, label=f"copy bandwidth {bw / 1e12:.2f} TB/s")
-        ax_b.set_ylim(0, 1.08)
-    if node:
-        ax_t.axhline(node, color="gray", lw=1.0, ls="-.", label=f"graph node {node:.2f} us")
+    modes = [m for m in ("warm", "cold") if any(r.get("l2", "warm") == m for r in rows)]
+    layouts = [lay for lay in ("token", "block") if any(r.get("layout", "token") == lay for r in rows)]
+    lines = [(name, "token") for name in series] + [(name, "block") for name in spec.get("series", [])[:1]
+                                                     if "block" in layouts]
+    if spec.get("floor"):
+        lines.append(("floor", "token"))
+    cmap = plt.get_cmap("tab10")
+    colors = {key: cmap(i % 10) for i, key in enumerate(lines)}
+    ncols = min(4, len(ks)) or 1
+    nrows = -(-len(ks) // ncols) or 1
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols + 1, 3.8 * nrows + 0.8), squeeze=False)
     prm = result.get("params") or {}
-    ts = sorted({r["T"] for r in rows})
-    ticks = ts if len(ts) <= 14 else ts[::2]
-    for ax in (ax_t, ax_b):
+    for ax, K in zip(axes.flat, ks):
+        drawn = []
+        for key in lines:
+            name, layout = key
+            value = "floor_us" if name == "floor" else f"us:{name}"
+            for l2 in modes:
+                pts = sorted((r["T"], r[value]) for r in rows if r["K"] == K and r.get(value)
+                             and r.get("layout", "token") == layout and r.get("l2", "warm") == l2)
+                if not pts:
+                    continue
+                label = ("floor (fastest geometry)" if name == "floor" else name) + \
+                    (" block-major" if layout == "block" else "") + (f", {l2} L2" if len(modes) > 1 else "")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[key], ls=_STYLES[l2], marker="o",
+                        ms=3, lw=1.3, label=label)
+                drawn += [p[1] for p in pts]
+        if bw:
+            # The limit the tables use: a captured call's graph node (where there are graphs) + its bytes at the
+            # run's copy bandwidth.
+            pts = sorted({(r["T"], r["bytes"]) for r in rows if r["K"] == K and "bytes" in r})
+            if pts:
+                ys = [(node or 0.0) + 1e6 * b / bw for _, b in pts]
+                ax.plot([p[0] for p in pts], ys, color="crimson", lw=0.9, ls=":",
+                        label=("graph node + " if node else "") + f"bytes / copy bandwidth ({bw / 1e12:.2f} TB/s)")
+                drawn += ys
+        if node:
+            ax.axhline(node, color="gray", lw=0.9, ls="-.", label=f"graph node {node:.2f} us")
+            drawn.append(node)
+        ts = sorted({r["T"] for r in rows})
         ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=8)
+        ax.set_xticks(ts, [str(t) for t in ts], fontsize=7)
         ax.minorticks_off()
-        ax.set_xlabel("tokens per call T")
+        ax.set_yscale("log")
+        positive = [y for y in drawn if y and y > 0]
+        if positive:
+            ax.set_ylim(min(positive) / 1.3, max(positive) * 1.3)
+        ax.set_title(f"K = {K}", fontsize=9)
+        ax.set_xlabel("tokens per call T", fontsize=8)
+        ax.set_ylabel("us per call", fontsize=8)
         ax.grid(True, alpha=0.3)
-    ax_t.set_yscale("log")
-    measured = [v for r in rows for s in series if (v := r.get(f"us:{s}"))]
-    if measured:
-        # Keep the copy-bandwidth lines from stretching the axis far below anything measured.
-        ax_t.set_ylim(bottom=0.5 * min(min(measured), node or math.inf))
-    ax_t.set_ylabel(f"time per call, us ({prm.get('timing', '')})")
-    ax_b.set_ylabel("fraction of copy bandwidth (bytes moved / time / copy BW)")
-    ax_t.legend(fontsize=7, ncol=2)
-    if bw:
-        ax_b.legend(fontsize=7, ncol=2)
-    else:
-        ax_b.text(0.5, 0.5, "no copy bandwidth measured", ha="center", transform=ax_b.transAxes)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(ks):]:
+        ax.set_visible(False)
     env = result["environment"]
+    cpu = ("\nCPU: every op is the reference formula (a smoke run, not a kernel benchmark)"
+           if prm.get("cpu_note") else "")
     fig.suptitle(f"{result.get('title', result['section'])}: {env.get('device')}, {prm.get('dtype')} "
-                 f"H={prm.get('hidden')} capacity {prm.get('capacity')}, commit {env.get('commit')}", fontsize=10)
+                 f"H={prm.get('hidden')} capacity {prm.get('capacity')}, {prm.get('timing', '')}, commit "
+                 f"{env.get('commit')}{cpu}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return fig
