@@ -231,9 +231,9 @@ def _op_launch(jit: bool):
         out = torch.empty_like(prefix)
         if jit:
             with mock.patch.object(cuda, "use_interpreter", lambda t: True):
-                cuda._launch_forward(plan, prefix, blocks, nw, pw, out, K, eps)
+                cuda.launch_forward(plan, prefix, blocks, nw, pw, out, K, eps)
         else:
-            cuda._launch_forward(plan, prefix, blocks, nw, pw, out, K, eps)
+            cuda.launch_forward(plan, prefix, blocks, nw, pw, out, K, eps)
         return out
     return call
 
