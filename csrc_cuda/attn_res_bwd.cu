@@ -5,7 +5,7 @@
 // the inputs twice from DRAM (ceiling ~0.61 of copy bandwidth at K = 8); the Triton streaming kernel reads once
 // but is issue-bound (docs/history.md, "Backward"). Here one program per SM walks a contiguous token
 // range, each input row read from DRAM once. Two layouts of the token's rows (the launch policy picks per K,
-// k3_ops/backends/cuda.py SINGLE_READ_SMEM_MIN_K):
+// k3_ops/backends/cuda_plan.py SINGLE_READ_SMEM_MIN_K):
 //
 //   * register-resident (attn_res_bwd_single_read_kernel, 1 or 2 vectors per thread; the default for K <= 4):
 //     one token in registers while the next one streams into shared memory, as described below;

@@ -1,8 +1,9 @@
 // k3_ops._C's CUDA functions (built only where a CUDA toolkit and a CUDA torch are present; see setup.py).
 //
-// The launch policy (k3_ops/backends/cuda.py) decides when the single-read backward runs and has checked the
-// arguments (kimi_k3::attn_res_backward's rules plus this kernel's: 16-bit candidates, unit hidden strides,
-// 16-byte aligned rows, K <= 8); the checks here are internal invariants, so a violation is a bug, not bad input.
+// The launch policy (k3_ops/backends/cuda.py, its plan step cuda_plan.py) decides when the single-read backward
+// runs and has checked the arguments (kimi_k3::attn_res_backward's rules plus this kernel's: 16-bit candidates, unit
+// hidden strides, 16-byte aligned rows, K <= 8); the checks here are internal invariants, so a violation is a bug,
+// not bad input.
 // c10's stream header, not ATen/cuda/CUDAContext.h: that one pulls in cuBLAS, cuSPARSE and cuSOLVER headers,
 // which a toolkit of only nvcc and the runtime (a conda cuda-nvcc install, say) does not ship.
 #include <c10/cuda/CUDAGuard.h>
@@ -101,8 +102,8 @@ void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tenso
 }
 
 // The cluster forward (csrc_cuda/attn_res_cluster.cu; cluster_size 1: the streaming forward, attn_res_stream.cu),
-// declared in native_launch.h; also replayed by the launch cache. The policy (backends/cuda.py, cluster_supported)
-// has checked its rules; these checks are invariants.
+// declared in native_launch.h; also replayed by the launch cache. The policy (backends/cuda_plan.py,
+// cluster_supported and native_layout_ok) has checked its rules; these checks are invariants.
 void attn_res_cluster_forward(const at::Tensor& prefix, const at::Tensor& blocks, const at::Tensor& norm_weight,
                               const at::Tensor& proj_weight, const at::Tensor& out,
                               const c10::optional<at::Tensor>& addend, const c10::optional<at::Tensor>& new_prefix,

@@ -172,19 +172,21 @@ def test_cuda_backward_plan_resolution():
     ({2}, 8, 2), ({0}, 1, 0),  # the preferred layout does not fit: the other one
     (set(), 8, None),  # neither: the Triton kernels
 ], ids=["k8", "k5", "k4", "k1", "k8-no-smem-fit", "k1-no-reg-fit", "neither"])
-def test_single_read_layout_policy(monkeypatch, fits: set, K: int, want):
+def test_single_read_layout_policy(fits: set, K: int, want):
     """"auto" with vectors_per_thread None: the shared-memory layout from SINGLE_READ_SMEM_MIN_K on, the register
     layout below, each falling back to the other where only that one fits; an explicit layout is never swapped.
-    (Support is mocked: this machine has no GPU; the real check is test_cuda_single_read_kernel_is_built.)"""
-    from k3_ops.backends import cuda
+    (The plan step on a described GPU whose shared memory holds exactly the layouts in ``fits``; the real check is
+    test_cuda_single_read_kernel_is_built.)"""
+    from k3_ops.backends import cuda_plan
 
-    assert cuda.SINGLE_READ_SMEM_MIN_K == 5, "the cases below straddle the measured threshold"
-    monkeypatch.setattr(cuda, "single_read_supported", lambda K, H, device, element_size=2, vpt=2: vpt in fits)
-    plan = cuda.choose_backward_plan(4096, K, 7168, torch.device("cpu"))
+    assert cuda_plan.SINGLE_READ_SMEM_MIN_K == 5, "the cases below straddle the measured threshold"
+    gpu = cuda_plan.DeviceFacts(interpreted=False, num_sms=132, capability=(9, 0), smem_optin=1000,
+                                single_read_smem=lambda K, H, size, vpt: 100 if vpt in fits else 2000)
+    plan = cuda_plan.backward_plan(4096, K, 7168, gpu)
     assert (plan.kernel, plan.vectors_per_thread) == (("single_read", want) if want is not None else ("stats_apply", 0))
     for vpt in (0, 1, 2):
-        plan = cuda.choose_backward_plan(4096, K, 7168, torch.device("cpu"),
-                                         cuda.BackwardConfig(kernel="single_read", vectors_per_thread=vpt))
+        plan = cuda_plan.backward_plan(4096, K, 7168, gpu,
+                                       cuda_plan.BackwardConfig(kernel="single_read", vectors_per_thread=vpt))
         assert plan.kernel == ("single_read" if vpt in fits else "stats_apply"), vpt
         assert plan.kernel != "single_read" or plan.vectors_per_thread == vpt
 
@@ -411,7 +413,7 @@ def test_cuda_single_read_kernel_is_built():
     assert cuda.choose_backward_plan(4096, 8, 8200, dev).kernel == "tiles"
     # H = 8192, K = 8 needs 237056 bytes (register layout) or 237216 (shared-memory layout): more than the H200's
     # opt-in of 232448, so neither layout runs and the Triton split takes it.
-    if cuda._properties(dev).shared_memory_per_block_optin < 237056:
+    if cuda.device_facts(dev).smem_optin < 237056:
         assert cuda.choose_backward_plan(4096, 8, 8192, dev).kernel == "stats_apply", "H = 8192, K = 8: no fit"
 
 

@@ -70,13 +70,14 @@ def _npu(fn_name: str, forward_kernel: str | None = None):
 def _cuda_forward(path: str):
     def call(args, gy):
         from k3_ops.backends import cuda
+        from k3_ops.backends._fused import FusedArgs
 
         config = cuda.LaunchConfig(kernel=path)
         cuda.attn_res_forward(*positional(args), config=config)
         plan = cuda.choose_config(SAMPLE.T, SAMPLE.K, SAMPLE.H, args["prefix_sum"].device, config)
-        fused = cuda._FusedArgs.allocate(args["prefix_sum"], None, SAMPLE.K, None, SAMPLE.eps)[0]
-        cuda._launch_forward(plan, args["prefix_sum"], args["block_residual"], args["norm_weight"],
-                             args["proj_weight"], torch.empty_like(args["prefix_sum"]), SAMPLE.K, SAMPLE.eps, fused)
+        fused = FusedArgs.allocate(args["prefix_sum"], None, SAMPLE.K, None, SAMPLE.eps)[0]
+        cuda.launch_forward(plan, args["prefix_sum"], args["block_residual"], args["norm_weight"],
+                            args["proj_weight"], torch.empty_like(args["prefix_sum"]), SAMPLE.K, SAMPLE.eps, fused)
         return cuda.fused_attn_res(*_fused_args(args))
 
     return call

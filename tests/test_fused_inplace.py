@@ -367,7 +367,7 @@ def test_policies_under_interpreter(case: ServingCase, policy: str, monkeypatch)
 
         monkeypatch.setattr(cuda, "choose_config", choose)
     launches = []
-    real = backend._launch_forward
+    real = backend.launch_forward
 
     def call(args, c=case):
         return backend.fused_attn_res_(*positional(args), **c.kwargs())
@@ -375,11 +375,11 @@ def test_policies_under_interpreter(case: ServingCase, policy: str, monkeypatch)
     args = case.make("cpu")
     before = snapshot_args(args)
     with npu.substitute(num_vector_cores=lambda device: 3, forward_kernel=forced):
-        backend._launch_forward = lambda *a, **k: (launches.append(1), real(*a, **k))[1]
+        backend.launch_forward = lambda *a, **k: (launches.append(1), real(*a, **k))[1]
         try:
             out, scale = call(args)
         finally:
-            backend._launch_forward = real
+            backend.launch_forward = real
         assert len(launches) == 1, f"{case.id}: {len(launches)} kernel launches, expected one"
         check_serving(case, before, args, out, scale,
                       lambda: call(case.make("cpu"), replace(case, out_dtype=None))[0], truncating_bf16=True)
@@ -417,21 +417,22 @@ def test_serving_flag_values_tell_every_variant_apart():
 def test_serving_plan_of_a_cluster_entry_keeps_a_serving_fallback():
     """A cluster entry serves the serving calls itself (the cluster kernel has every serving option); what it
     leaves to its fallback must be a kernel with the serving flags, so a split fallback becomes the 4-row token
-    kernel's plan, and a token fallback stays. Plans only: no GPU needed."""
-    from k3_ops.backends import cuda
+    kernel's plan, and a token fallback stays. The pure plan step: no GPU needed."""
+    from k3_ops.backends import cuda_plan
+    from k3_ops.backends.cuda_table import SERVING_TOKEN_CONFIG, LaunchConfig
 
-    cpu = torch.device("cpu")
-    split = cuda.choose_config(2, 6, 7168, cpu, cuda.LaunchConfig(kernel="split"))
-    token = cuda.choose_config(2, 6, 7168, cpu, cuda.SERVING_TOKEN_CONFIG)
-    rows = cuda.choose_config(2, 6, 7168, cpu, cuda.LaunchConfig(kernel="rows"))
-    cluster_split = cuda._Plan("cluster", 0, cluster_size=8, fallback=split)
-    cluster_token = cuda._Plan("cluster", 0, cluster_size=8, fallback=token)
-    served = cuda._serving_plan(cluster_split, 2, 6, 7168, cpu)
+    facts = cuda_plan.DeviceFacts(interpreted=True, num_sms=cuda_plan.INTERPRETER_NUM_SMS)
+    split = cuda_plan.resolve(6, 7168, facts, LaunchConfig(kernel="split"))
+    token = cuda_plan.resolve(6, 7168, facts, SERVING_TOKEN_CONFIG)
+    rows = cuda_plan.resolve(6, 7168, facts, LaunchConfig(kernel="rows"))
+    cluster_split = cuda_plan.Plan("cluster", 0, cluster_size=8, fallback=split)
+    cluster_token = cuda_plan.Plan("cluster", 0, cluster_size=8, fallback=token)
+    served = cuda_plan.serving_plan(cluster_split, 6, 7168, facts)
     assert served.kernel == "cluster" and served.cluster_size == 8 and served.fallback == token
-    assert cuda._serving_plan(cluster_split, 2, 6, 7168, cpu) is served, "made once per plan"
-    assert cuda._serving_plan(cluster_token, 2, 6, 7168, cpu) is cluster_token
-    assert cuda._serving_plan(split, 2, 6, 7168, cpu) == token
-    assert cuda._serving_plan(rows, 2, 6, 7168, cpu) is rows
+    assert cuda_plan.serving_plan(cluster_split, 6, 7168, facts) is served, "made once per plan"
+    assert cuda_plan.serving_plan(cluster_token, 6, 7168, facts) is cluster_token
+    assert cuda_plan.serving_plan(split, 6, 7168, facts) == token
+    assert cuda_plan.serving_plan(rows, 6, 7168, facts) is rows
 
 
 @requires_interpreter
@@ -442,9 +443,9 @@ def test_cuda_policy_routes_serving_calls_to_token(monkeypatch):
     from k3_ops.backends import cuda
 
     kernels = []
-    real = cuda._launch_forward
-    monkeypatch.setattr(cuda, "_launch_forward", lambda plan, *a, **k: (kernels.append(plan.kernel),
-                                                                         real(plan, *a, **k))[1])
+    real = cuda.launch_forward
+    monkeypatch.setattr(cuda, "launch_forward", lambda plan, *a, **k: (kernels.append(plan.kernel),
+                                                                        real(plan, *a, **k))[1])
     case = ServingCase(FusedCase(S(2, 6, 7, 64), norm="own"))
     assert cuda.choose_config(2, 6, 64, torch.device("cpu")).kernel == "split"
     cuda.fused_attn_res_(*positional(case.make("cpu")), round_mix=False)

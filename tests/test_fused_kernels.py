@@ -295,12 +295,12 @@ def _check_npu_on_simulated_device(simulated_npu, case: FusedCase):  # noqa: F81
     buf = dev_args["block_residual"]
     buf_before = simulated_npu.raw(buf).clone()
     launches = []
-    real = npu._launch_forward
+    real = npu.launch_forward
     try:
-        npu._launch_forward = lambda *a, **k: (launches.append(a), real(*a, **k))[1]
+        npu.launch_forward = lambda *a, **k: (launches.append(a), real(*a, **k))[1]
         out, new_prefix = torch.ops.kimi_k3.fused_attn_res(*positional(dev_args))
     finally:
-        npu._launch_forward = real
+        npu.launch_forward = real
     assert isinstance(out, NpuTensor) and isinstance(new_prefix, NpuTensor)
     assert len(launches) == 1 and launches[0][-1] is not None, "expected one fused NPU kernel launch"
     raw_args = {k: (simulated_npu.raw(v) if isinstance(v, torch.Tensor) else v) for k, v in dev_args.items()}

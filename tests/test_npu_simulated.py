@@ -191,13 +191,13 @@ def test_dispatch_reaches_npu_kernel(simulated_npu, sample, monkeypatch):
     from k3_ops.backends import npu
 
     calls = []
-    real_launch = npu._launch_forward
+    real_launch = npu.launch_forward
 
     def spy(*args, **kwargs):
         calls.append(args)
         return real_launch(*args, **kwargs)
 
-    monkeypatch.setattr(npu, "_launch_forward", spy)
+    monkeypatch.setattr(npu, "launch_forward", spy)
     cpu_args = sample.make()
     args = sample.make(device=simulated_npu.device)  # same values, drawn on the CPU, moved to the "npu"
     if sample.layout == "blockmajor":

@@ -198,7 +198,7 @@ def test_warmup_covers_the_default_table(recorders):
     device = torch.device(_cpu_or_cuda())
     n = cuda.warmup(7168, torch.bfloat16, device, max_num_valid_blocks=8, max_num_tokens=1024)
     warm = {name: set(rec.keys) for name, rec in recs.items()}
-    assert n == len(cuda._warmup_plans(device, 7168, 8, 1024))
+    assert n == len(cuda.warmup_plans(device, 7168, 8, 1024))
     for T in TOKEN_COUNTS + (2, 9, 33, 100):
         for K in (1, 8):
             for layout in ("tokenmajor", "blockmajor"):

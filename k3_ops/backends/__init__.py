@@ -1,17 +1,33 @@
-"""Launch policies, one module per device: ``cuda.py`` (NVIDIA GPUs) and ``npu.py`` (Ascend NPUs, PrivateUse1).
+"""Launch policies: how a checked kimi_k3 call becomes kernel launches, on NVIDIA GPUs and on Ascend NPUs.
 
-A backend module turns checked op arguments into Triton launches: it picks a kernel and its compile-time
-configuration, lays out strides and workspaces, and launches ``k3_ops.kernels`` code. Backend modules import
-triton (and, for the NPU, torch_npu / triton-ascend) at their own import time, so they are imported only from
-inside the registered kernels (``k3_ops._registration``), never when ``k3_ops`` is imported.
+Every call takes one straight path: trivial cases (no kernel) -> outputs -> **plan** -> **launch**. The plan step is
+pure (call metadata and device facts in, a frozen plan out; no triton, no GPU), the launch step turns a plan and
+the tensors into launches. The modules, by concern (arrows point down the list, never up):
 
-This package module holds only torch-level helpers shared by every backend (no triton import here):
-the compile options every launch passes, the trivial cases that never launch a kernel, weight preparation,
-and the stride arithmetic behind the kernels' compile keys.
+- ``cuda_table.py``  the CUDA launch table: which kernel and configuration each (T, K) gets, rule by rule.
+- ``cuda_plan.py``   the CUDA plan step: a table entry resolved for a shape and a device (``Plan``), the serving
+                     calls' plan, each kernel's grid and compile-time constants; the backward's plan.
+- ``npu_plan.py``    the NPU plan step: Unified Buffer budgets, forward and backward plans.
+- ``_fused.py``      ``FusedArgs``: what a fused call adds to a forward launch (its tensors, options and flags).
+- ``_forward.py``    a forward launch's kernel arguments, the same for both devices.
+- ``_backward.py``   the backward launch, the same for both devices.
+- ``_launch.py``     the compiled-kernel cache and the recorder of the C++ replay cache.
+- ``cuda.py``        the CUDA policy: the ops' entry points, device facts, cached plans, the launch step.
+- ``npu.py``         the NPU policy (PrivateUse1, triton-ascend): entry points, device queries, the launch step.
+
+Plan modules import no launch code and no triton; ``cuda.py`` and ``npu.py`` import triton (and, for the NPU,
+triton-ascend) at their own import, so they are imported only from inside the registered kernels
+(``k3_ops._registration``), never when ``k3_ops`` is imported. Kernels (``k3_ops.kernels``) know nothing of
+torch.library or of these policies.
+
+This package module holds the torch-level helpers every backend shares: the compile options every launch passes,
+the cases that never launch a kernel, weight preparation, the stride arithmetic behind the kernels' compile keys,
+and the backward plan both devices resolve to.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
@@ -22,10 +38,12 @@ __all__ = [
     "TRITON_COMPILE_OPTIONS",
     "KERNEL_IO_DTYPES",
     "next_power_of_2",
+    "cdiv",
     "trivial_attn_res",
     "prepare_weights",
     "stride_vec",
     "hidden_strided",
+    "BackwardPlan",
 ]
 
 #: Compile options every Triton launch of the kernels passes as keyword arguments, whatever the installed Triton's
@@ -42,6 +60,11 @@ KERNEL_IO_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive b (``triton.cdiv``, for the modules that do not import triton)."""
+    return (a + b - 1) // b
 
 
 def trivial_attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -107,4 +130,56 @@ def hidden_strided(*tensors_and_dims: tuple[torch.Tensor, int]) -> bool:
     The kernels handle non-unit hidden strides correctly through a constexpr flag (a second, slower compiled
     variant, compiled on first use); unit stride is the fast path that ``warmup`` compiles ahead of time.
     """
-    return any(t.size(d) > 1 and t.stride(d) != 1 for t, d in tensors_and_dims)
+    for t, d in tensors_and_dims:
+        if t.size(d) > 1 and t.stride(d) != 1:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """One resolved backward launch, as both policies' plan steps make it (``cuda_plan.backward_plan``,
+    ``npu_plan.backward_plan``) and ``_backward.run_attn_res_backward`` launches it. The compile key is block_h,
+    k_pad, num_warps plus dtypes and flags.
+
+    num_programs: programs of the gradient kernel, each walking a contiguous token range (bounded by the device).
+    block_h: hidden tile (power of two); k_pad: candidate tile height, next_power_of_2(K + 1).
+    acc64: FP64 statistics, softmax backward and weight-gradient accumulation (see ``attn_res_bwd_kernel``).
+    df: the same statistics and softmax backward in double-float FP32 arithmetic (devices without FP64); the
+        weight gradient then accumulates in FP32. Neither: plain FP32.
+    launch_options: extra launch keyword arguments (``num_warps`` on CUDA, ``multibuffer`` under triton-ascend).
+    compile_options: keyword arguments every launch of this backward passes (default: the shared
+        ``TRITON_COMPILE_OPTIONS``; the NPU policy passes its own ``npu.compile_options()``).
+    num_stages: software-pipelining depth of the kernel's two chunk loops (1: none).
+    kernel: "tiles" (``attn_res_bwd_kernel``, every device), "rows" (``attn_res_bwd_rows_kernel``, CUDA, H <=
+        block_h = next_power_of_2(H)), "stats_apply" (CUDA, H <= block_h: ``attn_res_bwd_stats_kernel`` with
+        num_programs, launch_options and num_stages, then ``attn_res_bwd_apply_kernel`` on a
+        (apply_programs, cdiv(H, apply_block)) grid with apply_options and apply_num_stages) or "single_read" (the
+        CUDA C++ kernel of csrc_cuda/attn_res_bwd.cu; num_programs programs, FP64 workspace).
+    prefix_row_sum: "tiles" only: grad_prefix_sum's row taken out of the dv tile by an exact masked sum and stored
+        through a plain row pointer (``attn_res_bwd_kernel``'s PREFIX_ROW_SUM: the form triton-ascend lowers).
+    vectors_per_thread: "single_read" only: 0, the token's rows stay in shared memory (one 16-byte column vector
+        per thread and row); 1 or 2, they sit in registers, that many 16-byte vectors per thread and row.
+    scalars_programs: "stats_apply" only: programs of ``attn_res_bwd_scalars_kernel`` (0: apply_programs x
+        chunks), each walking a contiguous token range.
+    reduce_options: launch options of the weight-gradient reduction (empty: launch_options). Its FP64 tiles
+        want several warps whatever the gradient kernel uses.
+    """
+
+    num_programs: int
+    block_h: int
+    k_pad: int
+    acc64: bool
+    df: bool = False
+    launch_options: tuple[tuple[str, object], ...] = field(default=())
+    num_stages: int = 1
+    kernel: str = "tiles"
+    apply_programs: int = 0
+    apply_block: int = 0
+    apply_options: tuple[tuple[str, object], ...] = field(default=())
+    apply_num_stages: int = 1
+    reduce_options: tuple[tuple[str, object], ...] = field(default=())
+    scalars_programs: int = 0
+    vectors_per_thread: int = 0
+    compile_options: tuple[tuple[str, object], ...] = field(default=tuple(TRITON_COMPILE_OPTIONS.items()))
+    prefix_row_sum: bool = False

@@ -1,9 +1,10 @@
 """The attn_res backward launch, shared by the CUDA and the NPU launch policies.
 
-``cuda.attn_res_backward`` and ``npu.attn_res_backward`` decide *how* to launch (a ``BackwardPlan``: how many
-programs, the hidden tile, warps or Ascend options); this module does what is identical on both devices: the
-trivial cases that never launch, output and workspace allocation, the stride arithmetic, and the two launches
-of ``k3_ops.kernels.attn_res_bwd`` (the fused gradient kernel, then the fixed-order weight-gradient reduction).
+Their plan steps decide *how* to launch (a ``BackwardPlan``, backends/__init__.py: how many programs, the hidden
+tile, warps or Ascend options; ``cuda_plan.backward_plan``, ``npu_plan.backward_plan``); this module does what is
+identical on both devices: the trivial cases that never launch, output and workspace allocation, the stride
+arithmetic, and the launches of ``k3_ops.kernels.attn_res_bwd`` (the gradient kernel, or the CUDA C++ single-read
+kernel, then the fixed-order weight-gradient reduction).
 
 Memory: besides the outputs themselves, one workspace [num_programs, H] (fp64; fp32 without FP64), where
 num_programs is bounded by the device, not by T, and, only when grad_out's hidden dimension is not unit-stride
@@ -14,71 +15,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import triton
 
 from .. import reference
 from ..kernels import attn_res_bwd as _bwd
-from . import TRITON_COMPILE_OPTIONS, _launch, hidden_strided, next_power_of_2, prepare_weights, stride_vec
+from . import BackwardPlan, _launch, hidden_strided, next_power_of_2, prepare_weights, stride_vec
 
 __all__ = ["BackwardPlan", "trivial_attn_res_backward", "run_attn_res_backward", "REDUCE_BLOCK_P",
            "REDUCE_BLOCK_H"]
 
-#: Tile of the weight-gradient reduction: rows of the workspace summed per step, columns per program.
-#: A narrow column tile so that the grid has enough programs (H / 32 = 224 at H = 7168; 256 columns gave 28
-#: programs walking ~300 workspace rows each: 35 us on the H200 against 13 us for [64, 32]).
+#: Tile of the weight-gradient reduction: rows of the workspace summed per step, columns per program. A narrow
+#: column tile, so that the grid has enough programs (H / 32 = 224 at H = 7168) to spread the workspace's rows.
 REDUCE_BLOCK_P = 64
 REDUCE_BLOCK_H = 32
-
-
-@dataclass(frozen=True)
-class BackwardPlan:
-    """One resolved backward launch (the compile key is block_h, k_pad, num_warps plus dtypes and flags).
-
-    num_programs: programs of the gradient kernel, each walking a contiguous token range (bounded by the device).
-    block_h: hidden tile (power of two); k_pad: candidate tile height, next_power_of_2(K + 1).
-    acc64: FP64 statistics, softmax backward and weight-gradient accumulation (see ``attn_res_bwd_kernel``).
-    df: the same statistics and softmax backward in double-float FP32 arithmetic (devices without FP64); the
-        weight gradient then accumulates in FP32. Neither: plain FP32.
-    launch_options: extra launch keyword arguments (``num_warps`` on CUDA, ``multibuffer`` under triton-ascend).
-    compile_options: keyword arguments every launch of this backward passes (default: the shared
-        ``TRITON_COMPILE_OPTIONS``; the NPU policy passes its own ``npu.compile_options()``).
-    num_stages: software-pipelining depth of the kernel's two chunk loops (1: none).
-    kernel: "tiles" (``attn_res_bwd_kernel``, every device), "rows" (``attn_res_bwd_rows_kernel``, CUDA, H <=
-        block_h = next_power_of_2(H)) or "stats_apply" (CUDA, H <= block_h: ``attn_res_bwd_stats_kernel`` with
-        num_programs, launch_options and num_stages, then ``attn_res_bwd_apply_kernel`` on a
-        (apply_programs, cdiv(H, apply_block)) grid with apply_options and apply_num_stages).
-    prefix_row_sum: "tiles" only: grad_prefix_sum's row taken out of the dv tile by an exact masked sum and stored
-        through a plain row pointer (``attn_res_bwd_kernel``'s PREFIX_ROW_SUM: the form triton-ascend lowers).
-    vectors_per_thread: "single_read" only (CUDA C++, csrc_cuda/attn_res_bwd.cu; num_programs programs, FP64
-        workspace): 0, the token's rows stay in shared memory (one 16-byte column vector per thread and row);
-        1 or 2, they sit in registers, that many 16-byte vectors per thread and row.
-    scalars_programs: "stats_apply" only: programs of ``attn_res_bwd_scalars_kernel`` (0: apply_programs x
-        chunks), each walking a contiguous token range.
-    reduce_options: launch options of the weight-gradient reduction (empty: launch_options). Its FP64 tiles
-        want several warps whatever the gradient kernel uses (H200, ~300 workspace rows, [16, 256] tiles: 0.12 ms
-        with 2 warps, 0.035 ms with 8; [64, 32] tiles with 8 warps, the current REDUCE_BLOCK_P / _H: 0.013 ms).
-    """
-
-    num_programs: int
-    block_h: int
-    k_pad: int
-    acc64: bool
-    df: bool = False
-    launch_options: tuple[tuple[str, object], ...] = field(default=())
-    num_stages: int = 1
-    kernel: str = "tiles"
-    apply_programs: int = 0
-    apply_block: int = 0
-    apply_options: tuple[tuple[str, object], ...] = field(default=())
-    apply_num_stages: int = 1
-    reduce_options: tuple[tuple[str, object], ...] = field(default=())
-    scalars_programs: int = 0
-    vectors_per_thread: int = 0
-    compile_options: tuple[tuple[str, object], ...] = field(default=tuple(TRITON_COMPILE_OPTIONS.items()))
-    prefix_row_sum: bool = False
 
 
 def trivial_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,

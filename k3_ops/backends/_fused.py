@@ -1,16 +1,17 @@
-"""The device-independent part of the fused launches, shared by ``cuda.py`` and ``npu.py`` (and by any other
-forward kernel that takes the fused flags): the cases that launch no kernel, the output allocation, and the extra
-kernel arguments / stride facts that switch the forward kernels' fused constexpr flags on
-(kernels/attn_res_fwd.py). Three ops launch through here:
+"""``FusedArgs``: what a fused call adds to a forward launch, the same on every device (``cuda.py``, ``npu.py``).
+
+Three ops launch with it:
 
 - ``kimi_k3::fused_attn_res``: new_prefix out of place, the norm of the dtype-rounded mix;
 - ``kimi_k3::fused_attn_res.quant``: the same with an FP8 output and a selectable norm rounding point;
 - ``kimi_k3::fused_attn_res_``: the new prefix stored back into ``prefix_sum`` (the in-place serving call), with
   the same options.
 
-Everything a launch needs beyond the plain forward's arguments is one ``FusedArgs`` and the keyword arguments
-``fused_kernel_args`` makes of it, so every kernel with the fused flags takes the same keywords. No triton import
-here.
+A fused call is a plain forward launch plus one ``FusedArgs`` (its tensors and options, allocated by
+``FusedArgs.allocate``) and the keyword arguments ``fused_kernel_args`` makes of it, so every kernel with the fused
+flags (kernels/attn_res_fwd.py, "Serving-call helpers") takes the same keywords; ``_forward.kernel_arguments`` adds
+them to the plain arguments. Also here: the fused calls that launch no kernel, and how an FP8 output is stored. No
+triton import here.
 """
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ def fused_kernel_args(fused: FusedArgs | None, vec: int) -> dict:
     """Keyword arguments that switch a forward kernel to the fused variant; {} for the plain forward. The serving
     arguments appear only in serving calls (so fused_attn_res's launches are what they were before they existed),
     and then all of them, in one order: the CUDA launch cache keys a variant on its flags' values alone
-    (backends/cuda.py, ``_launch_forward``), which then tell every combination apart by position."""
+    (backends/cuda.py, ``launch_forward``), which then tell every combination apart by position."""
     if fused is None:
         return {}
     a, n = fused.addend, fused.new_prefix

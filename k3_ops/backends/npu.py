@@ -1,49 +1,20 @@
-"""Ascend NPU launch policy (PrivateUse1, ``torch_npu`` + triton-ascend) for the kimi_k3 Triton kernels.
+"""Ascend NPU launch policy (PrivateUse1, ``torch_npu`` + triton-ascend): the kimi_k3 ops on NPU tensors.
 
-Importing this module imports triton (triton-ascend on an Ascend host) but never torch_npu: the device
-properties are read through triton-ascend's driver first, torch_npu second, both lazily. With torch_npu
-installed but no Ascend runtime, even ``import torch`` fails unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``.
+Every call goes one way: the cases that launch no kernel (fp64, T = 0, K = 0) -> the outputs (``FusedArgs``) -> the
+plan (npu_plan.py, on this device's vector-core count and launch options) -> the launch (``launch_forward``, or
+``_backward.run_attn_res_backward``). The plans, the tiles' Unified Buffer budgets and the cost model are in
+npu_plan.py.
 
-Configuration (forward, ``attn_res_forward`` and ``fused_attn_res``), chosen by ``forward_plan``:
+Importing this module imports triton (triton-ascend on an Ascend host) but never torch_npu: the device properties are
+read through triton-ascend's driver first, torch_npu second, both lazily. With torch_npu installed but no Ascend
+runtime, even ``import torch`` fails unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``. ``multibuffer=True`` (double-buffered
+loads) is passed under triton-ascend only: plain Triton rejects unknown launch options. The shared
+``TRITON_COMPILE_OPTIONS`` are passed everywhere but under triton-ascend (``compile_options``).
 
-- grid = the device's vector-core count (``num_vectorcore`` from
-  ``triton.runtime.driver.active.utils.get_device_properties``, else torch_npu's device properties, else
-  ``FALLBACK_NUM_VECTOR_CORES`` = 48, an Atlas A2 / 910B's 24 AI cores x 2 vector cores; a wrong guess only
-  costs an extra wave or idle cores, never correctness); program p walks the contiguous token range
-  [p * ceil(T / cores), (p + 1) * ceil(T / cores)).
-- "single_read" (``kernels.attn_res_npu.attn_res_npu_single_read_kernel``) wherever its working set fits the
-  Unified Buffer budget (``npu_single_read_bytes`` <= ``UB_BUDGET_BYTES``: bf16 / fp16 up to H = 8192, the Kimi
-  K3 hidden size 7168 included; fp32 up to H = 4096): per token the K + 1 candidate rows stream through one
-  [next_power_of_2(H)] row tile into an online softmax, each read once. K is a runtime argument and not part of
-  the compile key.
-- "two_pass" (``kernels.attn_res_fwd.attn_res_npu_kernel``) where a row does not fit: per token, two passes over
-  H in [K_PAD, BLOCK_H] tiles (K_PAD = next_power_of_2(K + 1), a compile-time constant): pass 1 accumulates
-  sum(v^2) and <v, w> per candidate, then the softmax; pass 2 re-reads the tiles and writes the output chunk.
-- The fused op takes the same plan as the plain op of its shape (the choice does not depend on the fused flags),
-  so its mix equals ``attn_res(new_prefix, ...)`` bit for bit.
-- ``multibuffer=True`` (double-buffered loads) only under triton-ascend: plain Triton rejects unknown launch
-  options. The shared ``TRITON_COMPILE_OPTIONS`` everywhere but under triton-ascend (``compile_options``).
-
-Cost model (bytes moved per token; no throughput figure is claimed without hardware), s = itemsize:
-
-- single_read: (K + 2) H s (every candidate row read once, the output written once), the folded weight row
-  once per program (not per token). Fused: + H s for the addend, + H s for new_prefix, + H s for the snapshot;
-  with an addend new_prefix is also read back once (the program's own row, just written, so likely from L2), and
-  the output norm reads its weight row per token.
-- two_pass: (2 (K + 1) + 1) H s (every candidate row read twice), the weights once per hidden chunk per token
-  (L2). It is kept for rows that do not fit: a [K + 1, H] working set (H = 7168: 16 x 7168 x 4 B = 458 KB in
-  FP32) can never stay in the UB, and the single-read row tile needs the whole row (a row's softmax weight is
-  known only after the whole row is reduced), e.g. 32 B per column for fp32, 256 KB at H = 7168.
-- Parallelism: one program per vector core (48 on an Atlas A2), each streaming its own tokens; at T < cores
-  only T cores work (decode at T = 1 uses one vector core).
-- UB budget: ``UB_BUDGET_BYTES`` = 160 KB of the vector core's 192 KB Unified Buffer for one program's tiles,
-  the rest left to the compiler; per-tile estimates in ``npu_single_read_bytes`` and ``npu_block_h``. They are
-  estimates: only CANN's bishengir-compile decides the real allocation (docs/kernels.md, "Compile check").
-
-Test seam (explicit, documented in docs/kernels.md): ``SEAM.raw_tensor`` maps a PrivateUse1 tensor to the
-tensor handed to Triton (identity on real hardware; the simulated NPU of tests/test_npu_simulated.py returns
-the CPU tensor backing its wrapper), ``SEAM.num_vector_cores`` overrides the vector-core query and
-``SEAM.forward_kernel`` forces the forward plan's kernel. Use ``substitute(...)`` to set them for a block of code.
+Test seam (docs/kernels.md): ``SEAM.raw_tensor`` maps a PrivateUse1 tensor to the tensor handed to Triton (identity
+on real hardware; the simulated NPU of tests/test_npu_simulated.py returns the CPU tensor backing its wrapper),
+``SEAM.num_vector_cores`` overrides the vector-core query and ``SEAM.forward_kernel`` forces the forward plan's
+kernel. Use ``substitute(...)`` to set them for a block of code.
 """
 from __future__ import annotations
 
@@ -58,28 +29,28 @@ import triton
 
 from ..kernels import attn_res_fwd as _fwd
 from ..kernels import attn_res_npu as _npu_kernels
-from . import (
-    TRITON_COMPILE_OPTIONS,
-    _backward,
-    hidden_strided,
-    next_power_of_2,
-    prepare_weights,
-    stride_vec,
-    trivial_attn_res,
-)
-from ._fused import FusedArgs as _FusedArgs
-from ._fused import (
-    fused_hidden_dims,
-    fused_kernel_args,
-    fused_token_strides,
-    kernel_output,
-    trivial_fused_attn_res,
-    trivial_serving_call,
+from . import TRITON_COMPILE_OPTIONS, BackwardPlan, _backward, npu_plan, prepare_weights, trivial_attn_res
+from ._forward import kernel_arguments
+from ._fused import FusedArgs, kernel_output, trivial_fused_attn_res, trivial_serving_call
+from .npu_plan import (
+    FALLBACK_NUM_VECTOR_CORES,
+    SINGLE_READ_CHUNK,
+    UB_BUDGET_BYTES,
+    ForwardPlan,
+    npu_block_h,
+    npu_bwd_block_h,
+    npu_single_read_bytes,
 )
 
 __all__ = [
-    "FALLBACK_NUM_VECTOR_CORES",
-    "UB_BUDGET_BYTES",
+    # The ops' entry points (k3_ops._registration).
+    "attn_res_forward",
+    "fused_attn_res",
+    "fused_attn_res_quant",
+    "fused_attn_res_",
+    "attn_res_backward",
+    "warmup",
+    # The device and its plans.
     "Seam",
     "SEAM",
     "substitute",
@@ -88,30 +59,24 @@ __all__ = [
     "is_triton_ascend",
     "launch_options",
     "compile_options",
+    "forward_plan",
+    "backward_plan",
+    # The launch step.
+    "launch_forward",
+    # From npu_plan.py.
+    "FALLBACK_NUM_VECTOR_CORES",
+    "UB_BUDGET_BYTES",
+    "SINGLE_READ_CHUNK",
+    "ForwardPlan",
     "npu_block_h",
     "npu_single_read_bytes",
-    "ForwardPlan",
-    "forward_plan",
-    "attn_res_forward",
-    "fused_attn_res",
-    "fused_attn_res_quant",
-    "fused_attn_res_",
-    "warmup",
     "npu_bwd_block_h",
-    "attn_res_backward",
-    "backward_plan",
 ]
 
+
 # --------------------------------------------------------------------------------------------------------------
-# Common helpers (shared with the backward / fused launch functions added to this module).
+# The test seam and the device.
 # --------------------------------------------------------------------------------------------------------------
-FALLBACK_NUM_VECTOR_CORES = 48
-
-#: Bytes of the vector core's ~192 KB Unified Buffer that one program's tiles may use; the rest is left to the
-#: compiler (scalars, masks, index vectors, reduction scratch).
-UB_BUDGET_BYTES = 160 * 1024
-
-
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -183,9 +148,9 @@ def launch_options() -> dict:
 
 
 def compile_options() -> dict:
-    """The shared ``TRITON_COMPILE_OPTIONS``, except under triton-ascend: its Ascend backend (3.2) takes
-    ``enable_fp_fusion`` but never reads it (its BiSheng compiler decides contraction) and prints a "DO NOT tune
-    args" warning for it at every compile. Plain Triton (the interpreter, the simulated NPU) gets them."""
+    """The shared ``TRITON_COMPILE_OPTIONS``, except under triton-ascend: its Ascend backend takes
+    ``enable_fp_fusion`` but never reads it (its BiSheng compiler decides contraction) and warns about it at every
+    compile. Plain Triton (the interpreter, the simulated NPU) gets them."""
     return {} if is_triton_ascend() and not use_interpreter() else dict(TRITON_COMPILE_OPTIONS)
 
 
@@ -219,78 +184,19 @@ def num_vector_cores(device: torch.device) -> int:
     return n
 
 
-def npu_block_h(H: int, k_pad: int, itemsize: int, compensated: bool = False, fused: bool = False) -> int:
-    """Largest power-of-two hidden tile (<= next_pow2(H), >= 16) whose working set fits UB_BUDGET_BYTES.
-
-    Bytes per tile column: the [K_PAD] candidate values loaded in the I/O dtype, double-buffered by
-    multibuffer (2 * itemsize), converted to FP32 (4) and one FP32 product temporary (x * x, x * w or p * x: 4),
-    so K_PAD * (2 * itemsize + 8); for the compensated sums of fp32 I/O add K_PAD * 28 (four FP32 (hi, lo)
-    accumulator tiles that live across the chunk loop, 16, and three TwoSum temporaries, 12); plus the prefix
-    row (2 * itemsize + 4), the two weight rows and the folded w (3 * 4) and the output row (4 + itemsize).
-    bf16, K_PAD = 16 (K <= 15): 218 B per column -> BLOCK_H = 512 (109 KB); K_PAD = 8: 122 B -> 1024
-    (122 KB); fp32 (compensated), K_PAD = 16: 736 B -> 128 (92 KB).
-    Fused (fused_attn_res): the addend row, double-buffered and in FP32 (2 * itemsize + 4), and the rounded
-    new_prefix row stored to new_prefix / the snapshot (itemsize): 3 * itemsize + 4 more per column (bf16, K_PAD
-    = 16: 228 B -> still 512). The output norm's pass 3 holds only an output row and the norm weight, less
-    than pass 2.
-    """
-    per_col = k_pad * (2 * itemsize + 8 + (28 if compensated else 0)) + (2 * itemsize + 4) + 12 + (4 + itemsize)
-    if fused:
-        per_col += 3 * itemsize + 4
-    limit = next_power_of_2(H)
-    block = 16
-    while block * 2 <= limit and block * 2 * per_col <= UB_BUDGET_BYTES:
-        block *= 2
-    return block
-
-
-#: Hidden elements per piece of the single-read kernel's new_prefix pre-pass (fused with an addend): small tiles,
-#: so the pre-pass adds nothing to the row-wide working set.
-SINGLE_READ_CHUNK = 1024
-
-
-def npu_single_read_bytes(H: int, itemsize: int, compensated: bool = False) -> int:
-    """Estimated Unified Buffer bytes of one ``attn_res_npu_single_read_kernel`` program, at its row tile
-    BLOCK_H = next_power_of_2(H) (the masked tail is allocated too).
-
-    Bytes per tile column: the row in flight in the I/O dtype, double-buffered by multibuffer (2 * itemsize), its
-    FP32 copy (4; none for fp32, whose load is FP32 already), one FP32 product row (x * x, x * w or p * x: 4),
-    the FP32 accumulator row (4) and the folded FP32 weight row (4), which stays for all of the program's
-    tokens; fp32 I/O (compensated) adds the second product row and the first level of the double-float tree
-    (hi and lo of two half-width sums): 4 + 8. bf16 / fp16: 20 B per column, so H <= 8192 fits 160 KB (H = 7168
-    pads to 8192: 160 KB); fp32: 32 B, so H <= 4096 (128 KB), H = 7168 does not (256 KB).
-    The fused variants add no row-wide tile: the new_prefix pre-pass works in SINGLE_READ_CHUNK pieces before
-    the candidate loop, and the output norm's weight row (itemsize + 4) is live only after the loop, in place of
-    the row-in-flight buffers.
-    """
-    per_col = 2 * itemsize + (4 if itemsize < 4 else 0) + 4 + 4 + 4 + (12 if compensated else 0)
-    return max(16, next_power_of_2(H)) * per_col
-
-
-@dataclass(frozen=True)
-class ForwardPlan:
-    """One forward launch: kernel "single_read" (block_h = the padded row) or "two_pass" ([k_pad, block_h] tiles)."""
-
-    kernel: str
-    block_h: int
-    k_pad: int = 0
-
-
 def forward_plan(H: int, K: int, dtype: torch.dtype, fused: bool = False) -> ForwardPlan:
-    """The single-read plan where a row fits the UB budget, else the two-pass plan (``fused`` widens only the
-    two-pass tile budget; the kernel choice is the same for the plain and the fused op of a shape).
-    ``SEAM.forward_kernel`` forces one of the two (tests)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    compensated = dtype == torch.float32
-    fits = npu_single_read_bytes(H, itemsize, compensated) <= UB_BUDGET_BYTES
-    if SEAM.forward_kernel == "single_read" or (SEAM.forward_kernel is None and fits):
-        return ForwardPlan("single_read", max(16, next_power_of_2(H)))
-    k_pad = next_power_of_2(K + 1)
-    return ForwardPlan("two_pass", npu_block_h(H, k_pad, itemsize, compensated, fused), k_pad)
+    """``npu_plan.forward_plan`` with the seam's forced kernel, if any."""
+    return npu_plan.forward_plan(H, K, dtype, fused, SEAM.forward_kernel)
+
+
+def backward_plan(prefix_sum: torch.Tensor, num_valid_blocks: int) -> BackwardPlan:
+    """``npu_plan.backward_plan`` for prefix_sum's shape, dtype and device and K."""
+    return npu_plan.backward_plan(prefix_sum.size(1), int(num_valid_blocks), prefix_sum.element_size(),
+                                  num_vector_cores(prefix_sum.device), launch_options(), compile_options())
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Forward.
+# The ops.
 # --------------------------------------------------------------------------------------------------------------
 def attn_res_forward(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
                      proj_weight: torch.Tensor, num_valid_blocks: int, eps: float) -> torch.Tensor:
@@ -307,61 +213,15 @@ def attn_res_forward(prefix_sum: torch.Tensor, block_residual: torch.Tensor, nor
     if out is not None:
         return out
     T, H = prefix_sum.shape
+    K = int(num_valid_blocks)
     nw, pw = prepare_weights(norm_weight, proj_weight)
     out = torch.empty((T, H), dtype=prefix_sum.dtype, device=prefix_sum.device)
-    _launch_forward(raw(prefix_sum), raw(block_residual), raw(nw), raw(pw), raw(out), int(num_valid_blocks),
-                    float(eps), num_vector_cores(prefix_sum.device))
+    plan = forward_plan(H, K, prefix_sum.dtype)
+    launch_forward(plan, raw(prefix_sum), raw(block_residual), raw(nw), raw(pw), raw(out), K, float(eps),
+                   num_vector_cores(prefix_sum.device))
     return out
 
 
-def _launch_forward(prefix_sum, block_residual, nw, pw, out, K: int, eps: float, cores: int,
-                    fused: _FusedArgs | None = None) -> None:
-    # fused: the fused_attn_res arguments (raw tensors), which switch the kernel's fused flags on.
-    T, H = prefix_sum.shape
-    plan = forward_plan(H, K, prefix_sum.dtype, fused is not None)
-    h_strided = hidden_strided((prefix_sum, 1), (block_residual, 2), *fused_hidden_dims(fused))
-    vec = stride_vec(prefix_sum.dtype, (prefix_sum.stride(0), block_residual.stride(0), block_residual.stride(1),
-                                        out.stride(0), *fused_token_strides(fused)))
-    grid_size = max(1, min(cores, T))
-    tokens_per_prog = triton.cdiv(T, grid_size)
-    args = (prefix_sum, block_residual, nw, pw, out, T, K, H, eps, tokens_per_prog,
-            prefix_sum.stride(0) // vec, prefix_sum.stride(1), block_residual.stride(0) // vec,
-            block_residual.stride(1) // vec, block_residual.stride(2), out.stride(0) // vec)
-    flags = dict(BLOCK_H=plan.block_h, VEC=vec, H_STRIDED=h_strided, COMPENSATED=prefix_sum.dtype == torch.float32,
-                 **fused_kernel_args(fused, vec), **launch_options(), **compile_options())
-    if plan.kernel == "single_read":
-        _npu_kernels.attn_res_npu_single_read_kernel[(grid_size,)](
-            *args, CHUNK=min(plan.block_h, SINGLE_READ_CHUNK), **flags)
-    else:
-        _fwd.attn_res_npu_kernel[(grid_size,)](*args, K_PAD=plan.k_pad, NPU_NORM_SCALE=True, **flags)
-
-
-def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
-           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536) -> int:
-    """Compile every NPU forward compile key for one model (one per distinct ``forward_plan`` for K in
-    1..max_num_valid_blocks: one single-read kernel, or one two-pass kernel per K_PAD) before graph capture;
-    returns the number of launches. ``max_num_tokens`` is accepted for symmetry with the CUDA backend: the token
-    count never enters a compile key here."""
-    del max_num_tokens
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return 0
-    device = torch.device(device if device is not None else "npu")
-    H = int(hidden_size)
-    plans: dict[ForwardPlan, int] = {}
-    for K in range(1, max_num_valid_blocks + 1):
-        plans.setdefault(forward_plan(H, K, dtype), K)
-    with torch.no_grad():
-        w = torch.ones(H, dtype=torch.float32, device=device)
-        for K in plans.values():
-            prefix = torch.zeros((1, H), dtype=dtype, device=device)
-            blocks = torch.zeros((1, K, H), dtype=dtype, device=device)
-            attn_res_forward(prefix, blocks, w, w, K, 1e-6)
-    return len(plans)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Fused serving variant.
-# --------------------------------------------------------------------------------------------------------------
 def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
                    norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
                    block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
@@ -380,33 +240,12 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
                                      eps, block_write_idx, out_norm_weight, out_norm_eps, attn_res_forward, round_mix)
     if trivial is not None:
         return trivial
-    if not round_mix and out_norm_weight is not None:
-        # The FP32-mix norm: the serving flags' launch (fused_attn_res_quant's, without the FP8 output).
-        fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
-                                         eps if out_norm_eps is None else out_norm_eps, round_mix=False)
-        _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
-        return out, fused.new_prefix
-    fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
-                                     eps if out_norm_eps is None else out_norm_eps)
-    nw, pw = prepare_weights(norm_weight, proj_weight)
-    _launch_forward(raw(prefix_sum), raw(block_residual), raw(nw), raw(pw), raw(out), int(num_valid_blocks),
-                    float(eps), num_vector_cores(prefix_sum.device), fused.map(raw))
+    # round_mix matters only with an output norm; without one the launch is exactly the rounded-mix call's.
+    serving = not round_mix and out_norm_weight is not None
+    fused, out = FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                    eps if out_norm_eps is None else out_norm_eps, round_mix=not serving)
+    _launch_fused(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
     return out, fused.new_prefix
-
-
-def _launch_serving(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
-                    proj_weight: torch.Tensor, K: int, eps: float, fused: _FusedArgs, out: torch.Tensor) -> None:
-    # The two-pass kernel keeps the FP32-mix norm's and the FP8 output's row between passes in an FP32 scratch row
-    # per program; the grid is at most one program per vector core (_launch_forward), so [cores, H] is enough for
-    # any T. The single-read kernel holds that row in its tile and needs none.
-    cores = num_vector_cores(prefix_sum.device)
-    two_pass = forward_plan(prefix_sum.size(1), K, prefix_sum.dtype, True).kernel == "two_pass"
-    if fused.needs_scratch and two_pass:
-        fused = fused.with_scratch(torch.empty((cores, prefix_sum.size(1)), dtype=torch.float32,
-                                               device=prefix_sum.device))
-    nw, pw = prepare_weights(norm_weight, proj_weight)
-    _launch_forward(raw(prefix_sum), raw(block_residual), raw(nw), raw(pw), kernel_output(raw(out)), K, float(eps),
-                    cores, fused.map(raw))
 
 
 def fused_attn_res_quant(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
@@ -425,10 +264,10 @@ def fused_attn_res_quant(prefix_sum: torch.Tensor, addend: torch.Tensor | None, 
                                    out_dtype=out_dtype, round_mix=round_mix, attn_res_fn=attn_res_forward)
     if trivial is not None:
         return trivial
-    fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
-                                     eps if out_norm_eps is None else out_norm_eps, round_mix=round_mix,
-                                     out_dtype=out_dtype)
-    _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
+    fused, out = FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                    eps if out_norm_eps is None else out_norm_eps, round_mix=round_mix,
+                                    out_dtype=out_dtype)
+    _launch_fused(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
     return out, fused.new_prefix, fused.scale
 
 
@@ -447,35 +286,26 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
                                    out_dtype=out_dtype, round_mix=round_mix, attn_res_fn=attn_res_forward)
     if trivial is not None:
         return trivial
-    fused, out = _FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
-                                     eps if out_norm_eps is None else out_norm_eps, inplace=True,
-                                     round_mix=round_mix, out_dtype=out_dtype)
-    _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
+    fused, out = FusedArgs.allocate(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                    eps if out_norm_eps is None else out_norm_eps, inplace=True,
+                                    round_mix=round_mix, out_dtype=out_dtype)
+    _launch_fused(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
     return out, fused.scale if fused.scale is not None else out.new_empty((0,), dtype=torch.float32)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Backward: kimi_k3::attn_res_backward. Kernels in k3_ops.kernels.attn_res_bwd; the device-independent
-# part of the launch (trivial cases, allocation, strides) lives in backends/_backward.py, shared with cuda.py.
-# --------------------------------------------------------------------------------------------------------------
-def npu_bwd_block_h(H: int, k_pad: int, itemsize: int) -> int:
-    """Largest power-of-two hidden tile (<= next_pow2(H), >= 16) whose backward working set fits UB_BUDGET_BYTES.
-
-    Bytes per tile column, pass 2 (the larger pass): the [K_PAD] candidate values loaded in the I/O dtype and
-    double-buffered by multibuffer (2 * itemsize), their FP32 copy (4), one FP32 product temporary (4), the
-    FP32 dv (4) and dv cast to the I/O dtype for the stores (itemsize), and the six FP32 double-float statistic
-    accumulators of pass 1 (hi and lo of sum(v^2), <v, w>, <v, gy>: 24) that live across the chunk loop:
-    K_PAD * (3 * itemsize + 36); plus the prefix and grad_out rows (each double-buffered and in FP32:
-    2 * (2 * itemsize + 4)), the two weight rows and the folded w (3 * 4) and the dw workspace row with this
-    token's contribution (2 * 4). bf16, K_PAD = 16 (K <= 15): 708 B per column -> BLOCK_H = 128 (89 KB);
-    K_PAD = 8: 372 B -> 256 (93 KB).
-    """
-    per_col = k_pad * (3 * itemsize + 36) + 2 * (2 * itemsize + 4) + 12 + 8
-    limit = next_power_of_2(H)
-    block = 16
-    while block * 2 <= limit and block * 2 * per_col <= UB_BUDGET_BYTES:
-        block *= 2
-    return min(block, max(16, limit))
+def _launch_fused(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
+                  proj_weight: torch.Tensor, K: int, eps: float, fused: FusedArgs, out: torch.Tensor) -> None:
+    # The plan and the launch of a fused call. The two-pass kernel keeps the FP32-mix norm's and the FP8 output's
+    # row between passes in an FP32 scratch row per program; the grid is at most one program per vector core, so
+    # [cores, H] is enough for any T. The single-read kernel holds that row in its tile and needs none.
+    cores = num_vector_cores(prefix_sum.device)
+    plan = forward_plan(prefix_sum.size(1), K, prefix_sum.dtype, True)
+    if fused.needs_scratch and plan.kernel == "two_pass":
+        fused = fused.with_scratch(torch.empty((cores, prefix_sum.size(1)), dtype=torch.float32,
+                                               device=prefix_sum.device))
+    nw, pw = prepare_weights(norm_weight, proj_weight)
+    launch_forward(plan, raw(prefix_sum), raw(block_residual), raw(nw), raw(pw), kernel_output(raw(out)), K,
+                   float(eps), cores, fused.map(raw))
 
 
 def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
@@ -506,13 +336,45 @@ def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_re
                                            backward_plan(prefix_sum, int(num_valid_blocks)), raw=raw)
 
 
-def backward_plan(prefix_sum: torch.Tensor, num_valid_blocks: int) -> _backward.BackwardPlan:
-    """The NPU backward launch for prefix_sum's shape, dtype and device and K: the tiles kernel, one program per
-    vector core, double-float statistics (Ascend vector cores have no FP64), grad_prefix's row taken out of the dv
-    tile by an exact masked sum (the form triton-ascend lowers: ``attn_res_bwd_kernel``'s PREFIX_ROW_SUM)."""
-    H = prefix_sum.size(1)
-    k_pad = next_power_of_2(int(num_valid_blocks) + 1)
-    return _backward.BackwardPlan(num_programs=num_vector_cores(prefix_sum.device),
-                                  block_h=npu_bwd_block_h(H, k_pad, prefix_sum.element_size()), k_pad=k_pad,
-                                  acc64=False, df=True, launch_options=tuple(launch_options().items()),
-                                  compile_options=tuple(compile_options().items()), prefix_row_sum=True)
+# --------------------------------------------------------------------------------------------------------------
+# The launch step.
+# --------------------------------------------------------------------------------------------------------------
+def launch_forward(plan: ForwardPlan, prefix_sum, block_residual, nw, pw, out, K: int, eps: float, cores: int,
+                   fused: FusedArgs | None = None) -> None:
+    """Launch ``plan`` 's forward on the tensors handed to Triton (``raw`` ones): the plain op, or with ``fused``
+    (raw tensors too) a fused call, whose flags switch the kernel's fused variant on."""
+    T = prefix_sum.size(0)
+    args, runtime, flags, vec, h_strided = kernel_arguments(prefix_sum, block_residual, nw, pw, out, K, eps, fused)
+    programs, tokens_per_prog = npu_plan.forward_grid(T, cores)
+    args = (*args[:9], tokens_per_prog, *args[9:])
+    kernel = (_npu_kernels.attn_res_npu_single_read_kernel if plan.kernel == "single_read"
+              else _fwd.attn_res_npu_kernel)
+    kernel[(programs,)](*args, **runtime, **npu_plan.forward_constexprs(plan, vec, h_strided,
+                                                                      prefix_sum.dtype == torch.float32),
+                        **flags, **launch_options(), **compile_options())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Warm-up.
+# --------------------------------------------------------------------------------------------------------------
+def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
+           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536) -> int:
+    """Compile every NPU forward compile key for one model (one per distinct ``forward_plan`` for K in
+    1..max_num_valid_blocks: one single-read kernel, or one two-pass kernel per K_PAD) before graph capture;
+    returns the number of launches. ``max_num_tokens`` is accepted for symmetry with the CUDA backend: the token
+    count never enters a compile key here."""
+    del max_num_tokens
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return 0
+    device = torch.device(device if device is not None else "npu")
+    H = int(hidden_size)
+    plans: dict[ForwardPlan, int] = {}
+    for K in range(1, max_num_valid_blocks + 1):
+        plans.setdefault(forward_plan(H, K, dtype), K)
+    with torch.no_grad():
+        w = torch.ones(H, dtype=torch.float32, device=device)
+        for K in plans.values():
+            prefix = torch.zeros((1, H), dtype=dtype, device=device)
+            blocks = torch.zeros((1, K, H), dtype=dtype, device=device)
+            attn_res_forward(prefix, blocks, w, w, K, 1e-6)
+    return len(plans)

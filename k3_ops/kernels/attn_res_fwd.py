@@ -755,7 +755,7 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
     # Fused: both passes build the prefix row as new_prefix (the addend row is re-read in pass 2 rather than
     # kept: H elements do not fit the Unified Buffer next to the tile); pass 2 writes new_prefix / the snapshot
     # chunk by chunk. OUT_NORM: pass 2 writes the rounded mix and sums its squares, pass 3 re-reads this
-    # program's own output row and scales it in place (extra UB: see backends/npu.py, npu_block_h).
+    # program's own output row and scales it in place (extra UB: see backends/npu_plan.py, npu_block_h).
     # Serving flags (the helpers' contract above): INPLACE_PREFIX stores the new prefix back into prefix_ptr in
     # pass 2. NORM_FP32_MIX (with OUT_NORM) and FP8_OUT need a row the output cannot hold (the FP32 mix; the
     # rounded, normed row before quantisation), so pass 2 writes it to this program's FP32 row of scratch_ptr
