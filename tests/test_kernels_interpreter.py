@@ -215,7 +215,7 @@ def test_weight_dtypes_and_shapes(policy):
 
 
 def test_cuda_launch_table_overrides():
-    from k3_ops.backends import cuda
+    from k3_ops.backends import cuda, cuda_table
 
     old = cuda.set_launch_config(8, 8, cuda.LaunchConfig(kernel="rows", num_warps=2))
     try:
@@ -241,7 +241,7 @@ def test_cuda_launch_table_overrides():
     # K = 9..16 keeps the token path up to TOKEN_MAX_T_K16 tokens with 4 stages, then up to LOOP_MAX_T with 3;
     # K > 16 leaves it above TOKEN_MAX_T.
     loop_max = {K: cuda.LOOP_MAX_T[cuda.bucket(K, cuda.K_BUCKETS)] for K in (3, 4, 5, 8, 9, 16)}
-    assert loop_max == {3: 4096, 4: 4096, 5: 2048, 8: 2048, 9: 4096, 16: 4096}
+    assert loop_max == {3: 1 << 62, 4: 1 << 62, 5: 1 << 62, 8: 1 << 62, 9: 4096, 16: 4096}
     for T, stages in ((cuda.TOKEN_MAX_T + 1, 4), (cuda.TOKEN_MAX_T_K16, 4), (cuda.TOKEN_MAX_T_K16 + 1, 3),
                       (loop_max[16], 3)):
         plan = cuda.choose_config(T, 16, 7168, torch.device("cpu"))
@@ -249,31 +249,29 @@ def test_cuda_launch_table_overrides():
     assert cuda.choose_config(loop_max[9] + 1, 9, 7168, torch.device("cpu")).kernel == "rows"
     assert cuda.choose_config(cuda.TOKEN_MAX_T + 1, 17, 7168, torch.device("cpu")).kernel == "rows"
     assert cuda.choose_config(cuda.TOKEN_MAX_T, 17, 7168, torch.device("cpu")).num_stages == 3
-    for K in (1, 2, 3, 4, 5, 8):
-        # K <= 4: the one-tile plan up to TOKEN_MAX_T_K16 tokens; then the rows kernel at K = 1..2, one row at a
-        # time with 3 stages up to LOOP_MAX_T tokens at K = 3..4; K = 5..8 that plan from 129 tokens to LOOP_MAX_T;
-        # above LOOP_MAX_T (the streaming entries) the rows kernel on the CPU.
-        plan = cuda.choose_config(cuda.TOKEN_MAX_T_K16, K, 7168, torch.device("cpu"))
-        assert (plan.kernel, plan.one_tile) == ("token", K <= 4), K
-        last = cuda.TOKEN_MAX_T_K16 if K <= 2 else loop_max[K]
-        plan = cuda.choose_config(last, K, 7168, torch.device("cpu"))
-        assert plan.kernel == "token" and (K <= 2 or (plan.rows_per_tile, plan.num_stages) == (1, 3)), K
-        assert cuda.choose_config(last + 1, K, 7168, torch.device("cpu")).kernel == "rows", K
+    # Above TOKEN_MAX_T_K16 tokens (up to the largest T): K = 1 keeps the one-tile plan, K = 2 takes 2-row tiles
+    # (4 warps, 2 stages, the prefix first), K = 3..8 one row at a time with the prefix first, 3 stages, 4 at
+    # K = 5..8 above LOOP_DEEP_ABOVE_T tokens.
+    for T in (cuda.TOKEN_MAX_T_K16 + 1, 4096, 70000):
+        for K in (1, 2, 3, 4, 5, 8):
+            plan = cuda.choose_config(T, K, 7168, torch.device("cpu"))
+            if K == 1:
+                want = ("token", True, 1, 8, 1, False)
+            elif K == 2:
+                want = ("token", False, 2, 4, 2, True)
+            else:
+                want = ("token", False, 1, 4, 4 if K >= 5 and T > cuda_table.LOOP_DEEP_ABOVE_T else 3, True)
+            got = (plan.kernel, plan.one_tile, plan.rows_per_tile, plan.num_warps, plan.num_stages, plan.prefix_first)
+            assert got == want, (T, K, plan)
     # The one-tile plan at K <= 2 loads the fused call's output norm weight ahead up to 128 tokens and after the
     # mix above (fewer registers, two programs per SM); with 4 rows after at every T (ahead spills).
     for T, K, ahead in ((65, 1, True), (128, 2, True), (129, 1, False), (cuda.TOKEN_MAX_T_K16, 2, False),
                         (128, 3, False)):
         plan = cuda.choose_config(T, K, 7168, torch.device("cpu"))
         assert (plan.kernel, plan.one_tile, plan.onw_ahead) == ("token", True, ahead), (T, K)
-    # The streaming entries (K = 5..8 above 2048 tokens, K = 3..4 above 4096): a CUDA C++ kernel, so on the CPU
-    # (and wherever it cannot run) their rows-kernel fallback.
-    for (t_bucket, k_bucket) in ((4096, 8), (1 << 62, 8), (1 << 62, 4)):
-        entry = cuda.LAUNCH_TABLE[(t_bucket, k_bucket)]
-        assert entry.kernel == "stream" and entry.fallback.kernel == "rows", (t_bucket, k_bucket)
-    for (T, K) in ((2049, 5), (4097, 3)):
-        assert cuda.choose_config(T, K, 7168, torch.device("cpu")).kernel == "rows"
-    assert cuda.LAUNCH_TABLE[(2048, 8)].kernel == "token" and cuda.LAUNCH_TABLE[(4096, 4)].kernel == "token"
-    assert cuda.LAUNCH_TABLE[(1 << 62, 2)].kernel == "rows"
+    # No entry runs the streaming kernel (opt-in: ``LaunchConfig(kernel="stream")``); the rows kernel only at K > 8.
+    assert not any(entry.kernel == "stream" for entry in cuda.LAUNCH_TABLE.values())
+    assert {k for (t, k), entry in cuda.LAUNCH_TABLE.items() if entry.kernel == "rows"} == {16, 32, 64, 1 << 62}
     with pytest.raises(ValueError, match=r"LaunchConfig.rows_per_tile must be a power of two >= 1, or 0 for one "
                                          r"tile, got 3"):
         cuda.LaunchConfig(kernel="token", rows_per_tile=3)
@@ -302,14 +300,16 @@ def test_cuda_launch_table_overrides():
         assert (plan.norm_gram, plan.gram_tau) == ((True, 2.0 ** -6) if expected else (False, 0.0)), K
     assert not any(entry.norm_gram for entry in cuda.LAUNCH_TABLE.values())
     # The prefix candidate first: the one-row plans at K = 5..16 above 128 tokens and K = 3..4 above 512 (up to
-    # LOOP_MAX_T), and no other entry.
+    # LOOP_MAX_T), the 2-row plan at K = 2 above 512, and no other entry.
     for T in (1, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 2048, 2049, 4096, 4097):
         for K in (1, 2, 3, 4, 5, 8, 9, 16, 17):
             plan = cuda.choose_config(T, K, 7168, torch.device("cpu"))
             expected = ((5 <= K <= 16 and 128 < T <= loop_max[5 if K <= 8 else 16])
-                        or (3 <= K <= 4 and 512 < T <= loop_max[3]))
+                        or (2 <= K <= 4 and 512 < T <= loop_max[3]))
             assert plan.prefix_first == expected, (T, K)
-            assert not expected or (plan.kernel, plan.rows_per_tile, plan.num_warps) == ("token", 1, 4), (T, K)
+            rows = 1 if K > 2 else 2
+            assert not expected or (plan.kernel, plan.rows_per_tile, plan.num_warps) == ("token", rows, 4), (
+                T, K)
     # One tile: next_pow2(K) rows for the call's K (K = 0: one masked row), no pipelining.
     one = cuda.LaunchConfig(kernel="token", rows_per_tile=0, num_warps=8, num_stages=3)
     for K, rows in ((0, 1), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)):
@@ -324,7 +324,7 @@ def test_cuda_launch_table_overrides():
                                       cuda.LaunchConfig(kernel="token", rows_per_tile=4, num_warps=8, num_stages=1))
     assert cuda.choose_config(5, 15, 40, torch.device("cpu"), one).rows_per_tile == 16
     # The table's one-tile entries: K <= 4 up to 512 tokens (at K <= 2 above 128 tokens with the output norm's
-    # weight after the mix); K >= 5 there, and K <= 4 above, take other plans.
+    # weight after the mix) and K = 1 above; K >= 5 there, and K = 2..4 above, take other plans.
     for T in (1, 5, 128, 256, 400, 512):
         for K in (1, 2, 3, 4):
             own = replace(one, onw_ahead=False) if T > 128 and K <= 2 else one
@@ -332,7 +332,8 @@ def test_cuda_launch_table_overrides():
                                                                                             torch.device("cpu"), own)
     assert not cuda.choose_config(64, 5, 7168, torch.device("cpu")).one_tile
     assert not cuda.choose_config(200, 8, 7168, torch.device("cpu")).one_tile
-    assert cuda.choose_config(513, 2, 7168, torch.device("cpu")).kernel == "rows"
+    assert cuda.choose_config(513, 2, 7168, torch.device("cpu")).rows_per_tile == 2  # K = 2: 2-row tiles
+    assert cuda.choose_config(513, 1, 7168, torch.device("cpu")).one_tile  # K = 1: one tile at every T
     assert not cuda.choose_config(513, 4, 7168, torch.device("cpu")).one_tile  # K = 3..4: one row at a time
     with pytest.raises(ValueError, match=r"LaunchConfig.chunk must be a power of two >= 16, got 100"):
         cuda.LaunchConfig(kernel="split", chunk=100)

@@ -133,10 +133,10 @@ def test_device_facts_decide_what_the_table_entry_runs():
     for other in (_facts(capability=(9, 0), pdl=True), _facts(capability=(8, 0), native=True),
                   _facts(interpreted=True, native=True)):
         assert cuda_plan.table_plan(4, 8, 7168, other) == plan.fallback, other
-    rows = cuda_plan.table_plan(70000, 1, 7168, hopper)
+    rows = cuda_plan.table_plan(70000, 20, 7168, hopper)
     assert (rows.kernel, rows.ctas_per_sm, rows.pdl) == ("rows", 2, True)
     assert cuda_plan.forward_grid(rows, 70000, 114) == (228,) and cuda_plan.forward_grid(rows, 100, 132) == (100,)
-    assert not cuda_plan.table_plan(70000, 1, 7168, _facts(capability=(9, 0), pdl=False)).pdl
+    assert not cuda_plan.table_plan(70000, 20, 7168, _facts(capability=(9, 0), pdl=False)).pdl
 
 
 def test_forward_constexprs_follow_the_plan_and_the_call():

@@ -35,7 +35,7 @@ def test_plan_with_the_native_kernels_takes_each_entry_or_its_fallback():
             assert path == expected, (T, K)
         else:
             assert path == plan.table_plans(NO_KERNELS, [T], [K])[(T, K)][0], (T, K)  # the facts change nothing
-    assert {p for p, _ in grid.values()} >= {"cluster", "stream"}  # the table does use them on an H100
+    assert "cluster" in {p for p, _ in grid.values()}  # the table does use it on an H100
     # The stand-in is gone afterwards: this machine's plans are the interpreter's again.
     assert cuda.choose_config(1, 8, 7168, torch.device("cpu")).kernel != "cluster"
 

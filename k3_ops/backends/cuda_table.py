@@ -154,10 +154,10 @@ K_BUCKETS = (1, 2, 4, 6, 8, 16, 32, 64, 1 << 62)
 TOKEN_MAX_T = 256
 #: ... up to this many for K <= 16 (every K of Kimi K3 and up to twice it)...
 TOKEN_MAX_T_K16 = 512
-#: ... and, one block row at a time, up to this many per K bucket (K = 3..16).
-LOOP_MAX_T = {4: 4096, 6: 2048, 8: 2048, 16: 4096}
-#: The streaming kernel above this many tokens, per K bucket (K = 3..8).
-STREAM_ABOVE_T = {4: 4096, 6: 2048, 8: 2048}
+#: ... and, one block row at a time, up to this many per K bucket (K = 3..16; no bound at K = 3..8).
+LOOP_MAX_T = {4: 1 << 62, 6: 1 << 62, 8: 1 << 62, 16: 4096}
+#: Above this many tokens the one-row loop at K = 5..8 keeps 4 row loads in flight, not 3.
+LOOP_DEEP_ABOVE_T = 2048
 #: The cluster kernel up to this many tokens, per K bucket (K = 2..8).
 CLUSTER_MAX_T = {2: 16, 4: 32, 6: 64, 8: 64}
 #: The cluster entries' fallback at K = 5..8: the split path up to this many tokens, 4-row tiles above.
@@ -200,11 +200,6 @@ def table_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     """The default entry of one cell: the first rule that applies. The fused call shares the plain op's plan (its
     mix is the plain op's bit for bit); where the two disagree on a choice the fused call wins, being the call a
     decoder layer makes twice per mix."""
-    # Many tokens at K = 3..8: the streaming kernel, whose fused epilogue holds the output norm's weight in shared
-    # memory where the rows kernel's spills. Not below these bounds: there the plain op loses more than the fused
-    # call gains.
-    if t_bucket > STREAM_ABOVE_T.get(k_bucket, 1 << 62):
-        return LaunchConfig(kernel="stream", min_k=3, fallback=ROWS_CONFIG)
     # Decode at K = 5..8: the cluster kernel puts several SMs on each token. Where it cannot run, the split path
     # (more SMs per token than one program) up to SPLIT_MAX_T tokens, 4-row tiles above.
     if t_bucket <= CLUSTER_MAX_T.get(k_bucket, 0) and k_bucket in (6, 8):
@@ -218,24 +213,33 @@ def table_entry(t_bucket: int, k_bucket: int) -> LaunchConfig:
     # the one-tile plan where it cannot run. Not at K = 1: one program per token is faster at every T.
     if t_bucket <= CLUSTER_MAX_T.get(k_bucket, 0):
         return LaunchConfig(kernel="cluster", cluster_size=8, min_k=2 if k_bucket == 2 else 3, fallback=one_tile)
-    if t_bucket <= TOKEN_MAX_T_K16 and k_bucket <= 4:
+    # At K = 1 at every T (the two rows of a token in flight at once beat any loop or persistent kernel on a cold L2;
+    # the plain op reaches the copy bandwidth), at K = 2..4 up to TOKEN_MAX_T_K16 tokens.
+    if k_bucket == 1 or (t_bucket <= TOKEN_MAX_T_K16 and k_bucket <= 4):
         # Above ONW_AFTER_ABOVE_T tokens at K <= 2 the fused call loads the output norm's weight after the mix:
         # without its registers two 8-warp programs fit an SM. Not below, where one program per SM is all a call
         # has.
         if t_bucket > ONW_AFTER_ABOVE_T and k_bucket <= 2:
             return replace(one_tile, onw_ahead=False)
         return one_tile
+    # K = 2 above TOKEN_MAX_T_K16 tokens: tiles of 2 block rows, 4 warps, 2 stages, the prefix first: the fused call
+    # keeps its epilogue in registers (the one-tile and rows kernels' fused calls are 13-17 % slower on a cold L2)
+    # for 2-3 % on the plain op.
+    if k_bucket == 2:
+        return LaunchConfig(kernel="token", rows_per_tile=2, num_warps=4, num_stages=2, prefix_first=True)
     # K >= 5 up to TILES_MAX_T tokens: tiles of 4 block rows over 8 warps, unpipelined (a tile's rows are in flight
     # together; a second stage only adds shared-memory traffic); K = 5..6 tiles of 2 rows, which pad 5 or 6 rows to
     # 6 rather than 8 (and at 8 warps load the output norm's weight ahead).
     if t_bucket <= TILES_MAX_T:
         return LaunchConfig(kernel="token", rows_per_tile=2 if k_bucket == 6 else 4, num_warps=8, num_stages=1)
     # Up to LOOP_MAX_T tokens: one program per token, one block row at a time, 4 warps, 3 stages (4 for K = 9..16
-    # up to TOKEN_MAX_T_K16 tokens); for K <= 16 the prefix candidate first, its row dead in the loop and the fused
-    # call's stores ahead of it. K > 16: up to TOKEN_MAX_T tokens, the prefix last.
+    # up to TOKEN_MAX_T_K16 tokens, and for K = 5..8 above LOOP_DEEP_ABOVE_T, where a cold L2 leaves more latency to
+    # hide); for K <= 16 the prefix candidate first, its row dead in the loop and the fused call's stores ahead of
+    # it. K > 16: up to TOKEN_MAX_T tokens, the prefix last. At K = 3..8 this beats the streaming and rows kernels at
+    # every T on a cold L2, the fused call by 8-13 %.
     if t_bucket <= LOOP_MAX_T.get(k_bucket, TOKEN_MAX_T):
-        return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4,
-                            num_stages=4 if k_bucket == 16 and t_bucket <= TOKEN_MAX_T_K16 else 3,
+        deep = (k_bucket == 16 and t_bucket <= TOKEN_MAX_T_K16) or (k_bucket in (6, 8) and t_bucket > LOOP_DEEP_ABOVE_T)
+        return LaunchConfig(kernel="token", rows_per_tile=1, num_warps=4, num_stages=4 if deep else 3,
                             prefix_first=k_bucket <= 16)
     # Everything else: the rows kernel, which reads each candidate row once at any K.
     return ROWS_CONFIG

@@ -12,13 +12,8 @@ cell shows the split path, which they replace by the per-token kernel.
 from __future__ import annotations
 
 import argparse
-import hashlib
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
-
-import torch
 
 __all__ = ["DeviceFacts", "H100", "PATHS", "TOKENS", "BLOCKS", "path_of", "table_plans", "markdown", "figure",
            "main"]
@@ -77,37 +72,37 @@ def path_of(plan) -> tuple[str, str]:
     return plan.kernel, ""
 
 
-def _cluster_rule(facts: DeviceFacts):
-    # The native kernels' own shape rule (csrc_cuda/attn_res_cluster.cu, cluster_fwd_threads; streaming: H a
-    # multiple of 8 with at most 128 threads of 8 x {1, 2, 4, 7, 8} columns), for 16-bit rows.
-    def supported(K: int, H: int, device, cluster_size: int, element_size: int = 2) -> bool:
-        if not facts.cuda_kernels or facts.capability < (9, 0) or element_size != 2 or not 1 <= K <= 8:
-            return False
-        if cluster_size == 1:
-            return any(H % (8 * v) == 0 and H // (8 * v) <= 128 for v in (1, 2, 4, 7, 8))
-        return H % (8 * cluster_size) == 0 and -(-(H // 8 // cluster_size) // 32) * 32 <= 1024
-    return supported
+def _cluster_threads(K: int, H: int, element_size: int, cluster_size: int) -> int:
+    # The native kernels' own shape rule (csrc_cuda/attn_res_cluster.cu, cluster_fwd_threads; streaming: 128 threads
+    # of H / 1024 vectors, H / 1024 in {1, 2, 4, 7, 8}), for 16-bit rows: threads per CTA, 0 where not supported.
+    if element_size != 2 or not 1 <= K <= 8:
+        return 0
+    if cluster_size == 1:
+        return 128 if H % 1024 == 0 and H // 1024 in (1, 2, 4, 7, 8) else 0
+    if H % (8 * cluster_size):
+        return 0
+    threads = -(-(H // (8 * cluster_size)) // 32) * 32
+    return threads if threads <= 1024 else 0
 
 
-@contextmanager
-def _device_facts(facts: DeviceFacts):
-    """A stand-in device for ``facts``: the launch policy resolves a device's plan from the device itself, so
-    while no GPU is here its one query that decides a path (whether the native kernels run a shape) answers from
-    ``facts``, and its plans are cached under a device of their own (a meta device numbered by the facts)."""
-    from ..backends import cuda
+def plan_facts(facts: DeviceFacts):
+    """The plan step's description (``backends.cuda_plan.DeviceFacts``) of a GPU with ``facts``."""
+    from ..backends import cuda_plan
 
-    index = int(hashlib.sha256(repr(facts).encode()).hexdigest()[:6], 16)
-    with mock.patch.object(cuda, "cluster_supported", _cluster_rule(facts)):
-        yield torch.device("meta", index)
+    hopper = facts.capability >= (9, 0)
+    return cuda_plan.DeviceFacts(interpreted=False, num_sms=facts.sms, capability=facts.capability, pdl=hopper,
+                                 smem_optin=227 * 1024 if hopper else 163 * 1024,
+                                 cluster_threads=_cluster_threads if facts.cuda_kernels else None)
 
 
 def table_plans(facts: DeviceFacts, tokens: list[int] = TOKENS, blocks: list[int] = BLOCKS,
                 H: int = 7168) -> dict[tuple[int, int], tuple[str, str]]:
-    """{(T, K): (path, launch shape)} of the plain and fused calls' plans on a GPU with ``facts``."""
-    from ..backends.cuda import choose_config
+    """{(T, K): (path, launch shape)} of the plain and fused calls' plans on a GPU with ``facts``: the pure plan step
+    (``backends.cuda_plan.table_plan``), no GPU needed."""
+    from ..backends import cuda_plan
 
-    with _device_facts(facts) as device:
-        return {(T, K): path_of(choose_config(T, K, H, device)) for T in tokens for K in blocks}
+    described = plan_facts(facts)
+    return {(T, K): path_of(cuda_plan.table_plan(T, K, H, described)) for T in tokens for K in blocks}
 
 
 def markdown(grids: dict[DeviceFacts, dict], tokens: list[int], blocks: list[int], H: int) -> str:
