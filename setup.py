@@ -67,8 +67,8 @@ def _extension():
         # torch reads the variable when it computes the nvcc flags, inside build_ext.
         os.environ["TORCH_CUDA_ARCH_LIST"] = archs
         print(f"k3_ops: no GPU visible and TORCH_CUDA_ARCH_LIST unset: building for {archs}")
-    # -Xptxas -v prints registers, shared memory and spills per kernel into the build log (tools/gpu_run.sh
-    # shows them): a spill in the single-read kernel costs more than any tuning knob gains.
+    # -Xptxas -v prints registers, shared memory and spills per kernel into the build log (tools/gpu_run.sh keeps
+    # it as build.log): a spill in the single-read kernel costs more than any tuning knob gains.
     return CUDAExtension(
         "k3_ops._C",
         SOURCES + CUDA_SOURCES,

@@ -2,9 +2,9 @@
 //
 // Why a CUDA C++ kernel next to the Triton ones: the backward needs every candidate twice per token (statistics,
 // then dv), and its bandwidth target needs the second read to come from on-chip memory. The Triton split reads
-// the inputs twice from DRAM (ceiling ~0.61 of copy bandwidth at K = 8); the Triton streaming kernel reads once
-// but is issue-bound (docs/history.md, "Backward"). Here one program per SM walks a contiguous token
-// range, each input row read from DRAM once. Two layouts of the token's rows (the launch policy picks per K,
+// the inputs twice from DRAM; the Triton streaming kernel reads once but is issue-bound (docs/history.md,
+// "Backward (`attn_res_backward`)"). Here one program per SM walks a contiguous token range, each input row read
+// from DRAM once. Two layouts of the token's rows (the launch policy picks per K,
 // k3_ops/backends/cuda_plan.py SINGLE_READ_SMEM_MIN_K):
 //
 //   * register-resident (attn_res_bwd_single_read_kernel, 1 or 2 vectors per thread; the default for K <= 4):
@@ -12,7 +12,7 @@
 //   * shared-memory-resident (attn_res_bwd_single_read_smem_kernel, the default from K = 5): the rows stay in
 //     shared memory and both passes read them from there, so a thread needs 64 registers and an SM runs twice the
 //     warps (at K = 8 the register layout fills 128 registers per thread, spills, and its 14 warps at H = 7168
-//     leave it latency-bound: 0.58-0.65 of copy bandwidth against 0.77-0.88 for this one on the H200).
+//     leave it latency-bound: docs/history.md, "Backward (`attn_res_backward`)").
 //
 // The register-resident kernel:
 //

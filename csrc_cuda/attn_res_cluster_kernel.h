@@ -27,13 +27,13 @@
 // CTA's inbox is released before an arrive that CTA waits for. Each inbox is written once per launch, so no
 // exchange waits for the previous one's readers. DSMEM may only be written once the target CTA runs: a relaxed
 // arrive at entry, waited for just before the first remote store (long satisfied by then). Same sums in the same
-// order as pull, so the same bits; tools/cluster_probe.py times the two side by side.
+// order as pull, so the same bits (the two timed side by side: docs/kernels.md, "Design studies").
 //
 // Loads: everything a thread reads (the weights, the K block rows, the prefix, the addend, the output norm's weight)
 // is fetched before anything is converted (attn_res_vec.h, fetch8). What that buys is the output norm's weight:
-// loaded after the mix, its round trip came after the first exchange; with the inputs it hides behind theirs (the
-// fused call at T <= 16, K = 5..8, 5.73-6.78 against 5.89-6.95 us, same run at 46a21a7). The plain op is unchanged
-// (4.20-5.26 against 4.22-5.29): its loads were already in flight together.
+// loaded after the mix, its round trip came after the first exchange; with the inputs it hides behind theirs
+// (docs/history.md, "Forward (`attn_res`) and the fused serving op").
+// The plain op gains nothing: its loads were already in flight together.
 //
 // PDL: nothing is read before griddepcontrol.wait (cudaGridDependencySynchronize); dependents are released right
 // after it.
@@ -59,19 +59,19 @@ using namespace device;  // NOLINT: the shared vector helpers
 
 // The launch bound's minimum of CTAs per SM: 1 for the fused 2-block variants with an FP32 weight, 0 (none)
 // elsewhere. With none, ptxas stops the 2-block FP32-weight variants at 64 registers, and the fused ones with 8 CTAs
-// spill 8-16 bytes; a minimum of 1 lets them take the 128 that 512 threads allow (the fused call at T = 1, 8, 16,
-// K = 2: 3.39 / 3.44 / 3.69 against 3.68 / 3.75 / 3.88 us, same run, docs/data/cluster_fp32_bound_h200_da426eb.json).
-// Only them: the plain ones do not spill, and with the minimum took 0.07-0.11 us more at 8 and 16 tokens; on every
-// other variant a minimum of 1 changes the sm_90 code (the timed bf16 ones among them), while 0 leaves it as timed.
+// spill; a minimum of 1 lets them take the 128 that 512 threads allow, and they run faster
+// (docs/history.md, "Forward (`attn_res`) and the fused serving op"). Only them: the plain ones do not spill and
+// run slower with the minimum; on every other variant a minimum of 1 changes the sm_90 code (the timed bf16 ones
+// among them), while 0 leaves it as timed.
 template <typename NW, typename PW, int MB, bool kFused>
 constexpr int kMinCtasPerSm =
     (kFused && MB == 2 && (std::is_same_v<NW, float> || std::is_same_v<PW, float>)) ? 1 : 0;
 
 // kFused: the fused calls' code (addend, prefix stores, output norm, FP8 output), compiled out of the plain op's
-// instantiation: with it, the plain op took 4.92 against 4.71 us at T = 1, K = 8 (same run, same bits;
-// docs/data/cluster_instantiations_h200_2d35082.json).
+// instantiation, which is faster without it and computes the same bits
+// (docs/history.md, "Forward (`attn_res`) and the fused serving op").
 // MB: the most block rows the variant holds (2, 4, 6 or kClusterMaxBlocks; pick_kernel). The kernel is bound by its
-// instruction stream's latency (docs/benchmarks.md, "Where the remaining gap goes"), and a variant holding more
+// instruction stream's latency (docs/kernels.md, "Design studies", "Cluster exchanges"), and a variant holding more
 // candidates than the call has still runs the absent ones' statistics and their warp sums; every sum is the same
 // one in each variant (the transposing butterfly adds the plain butterfly's pairs for any count), so the bits are
 // too.

@@ -3,9 +3,10 @@
 //
 // Why: a fused call's epilogue (the output RMSNorm) needs the whole mixed row before it can scale any of it, so a
 // Triton program holding a [next_pow2(H)] FP32 row per tile is register-bound: the rows kernel spills at 4 warps and
-// loses bandwidth at 8 or 16 (docs/benchmarks.md). Here each thread owns H / threads columns (V 16-byte vectors:
-// 128 threads x 7 vectors at H = 7168), holds their folded weight and accumulator in registers and nothing else
-// across rows; the output norm's weight waits in shared memory for the epilogue.
+// loses bandwidth at 8 or 16 (docs/kernels.md, "Rows kernel (large T)" and "Streaming kernel (CUDA C++)"). Here each
+// thread owns H / threads columns (V 16-byte vectors: 128 threads x 7 vectors at H = 7168), holds their folded
+// weight and accumulator in registers and nothing else across rows; the output norm's weight waits in shared memory
+// for the epilogue.
 //
 // Rows: the rows of the CTA's tokens (tokens b, b + grid, ...; per token the K block rows, the prefix row, the
 // addend row) form one sequence; slot n % R takes row n. Each thread copies its own columns into the ring

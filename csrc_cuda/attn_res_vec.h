@@ -1,7 +1,8 @@
 // Device helpers of the CUDA C++ forward kernels (attn_res_cluster_kernel.h, attn_res_stream.cu): 16-byte vector loads
 // (split into fetch and unpack) and stores of 8 elements converted to / from FP32, CTA-wide reductions, the e4m3
-// encoding, the split cluster barrier, and the transaction barriers of an exchange without a release fence (used by
-// tools/cluster_ring_probe.py). Included by .cu files only (device code).
+// encoding, the split cluster barrier, and the transaction barriers of an exchange without a release fence (no kernel
+// uses them: the alternative to the pushed exchange, docs/kernels.md "Design studies", "Cluster exchanges"). Included
+// by .cu files only (device code).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,8 +26,8 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 
 // 8 elements as loaded, not yet converted: fetch8 issues the load and nothing else, unpack8 converts. A kernel can
 // so put a load in flight long before the value is needed: the cluster kernel fetches the output norm's weight with
-// its inputs and converts it after the mix (tools/cluster_probe.py measured that fetching the block rows so as well
-// changes nothing: the compiler already overlaps their loads).
+// its inputs and converts it after the mix (the block rows need no such split: the compiler already overlaps their
+// loads).
 template <typename T>
 struct Raw8 {
   uint4 u;  // 8 16-bit elements

@@ -1,7 +1,6 @@
-// How k3_ops's CUDA C++ kernels and the probes in tools/ that build beside them are launched: cudaLaunchKernelEx
-// with the two attributes they use, a thread-block cluster along x and programmatic dependent launch (PDL). Host
-// code only; plain CUDA runtime types. (Not the launch table's k3_ops.backends.cuda_table.LaunchConfig, which picks
-// the kernel and its plan.)
+// How k3_ops's CUDA C++ kernels are launched: cudaLaunchKernelEx with the two attributes they use, a thread-block
+// cluster along x and programmatic dependent launch (PDL). Host code only; plain CUDA runtime types. (Not the
+// launch table's k3_ops.backends.cuda_table.LaunchConfig, which picks the kernel and its plan.)
 #pragma once
 
 #include <cuda_runtime.h>

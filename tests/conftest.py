@@ -97,7 +97,7 @@ def grad_out_for(sample: Sample, device, seed: int = 1) -> torch.Tensor:
     return torch.randn(sample.T, sample.H, generator=g).to(device=device, dtype=sample.dtype)
 
 
-# The opcheck / numerics samples required by the foundation issue; every later test reuses them.
+# The opcheck / numerics samples: numerics and opcheck tests share these inputs, and most test modules reuse them.
 SAMPLES = [
     Sample(T=3, K=4, cap=8, H=7168, dtype=torch.bfloat16),  # the Kimi K3 hidden size
     Sample(T=5, K=2, cap=4, H=33, dtype=torch.float16),  # odd H, partial capacity
@@ -127,7 +127,7 @@ def device(request) -> str:
 # --- Triton interpreter -----------------------------------------------------------------------------------
 # TRITON_INTERPRET is read when @triton.jit decorates a kernel, i.e. when a kernel module is first imported;
 # k3_ops never imports one at package import, so setting it here (before any test runs) is early enough.
-# Only where there is no GPU: on the H200 the same suite must run the real compiled CUDA kernels.
+# Only where there is no GPU: on a GPU machine the same suite must run the real compiled CUDA kernels.
 def pytest_configure(config):
     import os
 

@@ -2,7 +2,8 @@
 compiled handle, cached per compile key, without Triton's per-call argument binding.
 
 ``kernel[grid](*args, **constexprs)`` binds every argument, computes Triton's specialisation key and looks the
-compiled kernel up on each call: tens of microseconds of host time for the kernels here (about 30 arguments).
+compiled kernel up on each call: host time that a decode-size call waits for, with about 30 arguments per kernel
+here (docs/kernels.md, "Launch path").
 ``launch`` does that once per compile key (the first call of a key goes through the JIT, which compiles or loads
 the kernel and returns its ``CompiledKernel``) and afterwards calls the compiled kernel's launcher directly with
 the arguments in the kernel's parameter order.

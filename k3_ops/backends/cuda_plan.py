@@ -341,10 +341,11 @@ class BackwardConfig:
         row (H / 8 / vectors_per_thread threads). None (default): 2 below SINGLE_READ_SMEM_MIN_K, 0 from there on;
         either falls back to the other where its shared memory does not fit the device's opt-in.
 
-    Defaults: the fastest configurations timed (docs/kernels.md): the CUDA C++ single-read kernel wherever it runs;
-    for the Triton kernels the split with 1-warp programs over 1024-column chunks for both streams (no cross-warp
-    reduction in the statistics; 32 elements per thread in the apply pass), 8 programs per SM for each (one wave: 8
-    such programs fit an SM's registers), 3 stages, FP64 statistics and dw accumulation; the rows kernel below
+    Defaults: the fastest configurations timed (docs/kernels.md, "Backward"; docs/history.md,
+    "Backward (`attn_res_backward`)"): the CUDA C++ single-read kernel wherever it runs; for the Triton kernels
+    the split with 1-warp programs over 1024-column chunks for both streams (no cross-warp reduction in the
+    statistics; 32 elements per thread in the apply pass), 8 programs per SM for each (one wave: 8 such programs
+    fit an SM's registers), 3 stages, FP64 statistics and dw accumulation; the rows kernel below
     SPLIT_BACKWARD_MIN_ROWS (one launch instead of four).
     """
 

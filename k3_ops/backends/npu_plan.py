@@ -25,7 +25,8 @@ Cost model (bytes moved per token; no throughput figure is claimed without hardw
   needs the whole row (a row's softmax weight is known only after the whole row is reduced).
 - UB budget: ``UB_BUDGET_BYTES`` = 160 KB of the vector core's 192 KB Unified Buffer for one program's tiles, the rest
   left to the compiler; per-tile estimates in ``npu_single_read_bytes`` and ``npu_block_h``. Only CANN's
-  bishengir-compile decides the real allocation (docs/kernels.md, "Compile check").
+  bishengir-compile decides the real allocation (docs/kernels.md, "Ascend NPU (PrivateUse1, triton-ascend)": the
+  UB budget and the compile check).
 
 Backward (``backward_plan``): the tiles kernel, one program per vector core, double-float statistics (the vector
 cores have no FP64), [K_PAD, ``npu_bwd_block_h``] tiles.

@@ -100,8 +100,8 @@ def _floor_stream_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix
     # The same work as _floor_kernel in another form: the K block rows in a [ROWS, BLOCK] tile (ROWS =
     # next_pow2(K), not next_pow2(K + 1): 8 rows at K = 8, not 16) and the prefix (and addend) apart as [1, BLOCK]
     # tiles, whose columns are laid out as the block tile's; every warp spans whole row pieces (BLOCK >= 256 x
-    # warps). Tiles padded to 16 rows, or narrower than the warps, moved 0.11-0.65 of the copy bandwidth at
-    # T = 16384 where this form moves the most.
+    # warps). Tiles padded to 16 rows, or narrower than the warps, move far fewer bytes per second at large T, so
+    # they would be no floor under the bandwidth-bound shapes.
     pid = tl.program_id(0)
     t = (pid // PROGRAMS).to(tl.int64)
     cols = ((pid % PROGRAMS) * BLOCK + tl.arange(0, BLOCK))[None, :]

@@ -234,10 +234,9 @@ class Timer:
 
     def _settle(self, estimate_us: float) -> None:
         """Leave the device idle for ``settle_s`` before timing a light call (under ``heavy_us`` per call) that
-        follows a heavy one. On the H200 a decode-size call timed right after the grid's heaviest one (T = 16384,
-        K = 8) took up to 12 % longer, in every one of five measurements in a row, than after one second of idle,
-        at the same SM clock; untimed replays first did not remove it. So a cell's figure would depend on the cell
-        timed before it."""
+        follows a heavy one. A decode-size call timed right after the grid's heaviest shape runs longer than after
+        a second of idle, at the same SM clock, and untimed replays first do not remove the difference; without the
+        pause a cell's figure would depend on the cell timed before it."""
         if self._after_heavy and estimate_us < self.heavy_us and self.settle_s > 0:
             self._after_heavy = False
             synchronize(self.device)

@@ -1,6 +1,6 @@
 """Backward kernels of kimi_k3::attn_res (@triton.jit code only; launch policies live in k3_ops/backends/).
 
-With gy = dL/d out, per token in FP32 (docs/attn_res.md "Backward"), recomputed from the inputs:
+With gy = dL/d out, per token in FP32 (docs/attn_res_backward.md, "Math"), recomputed from the inputs:
 
     r_i = rsqrt(mean(v_i^2) + eps),  d_i = <v_i, w>,  p = softmax(r * d),  g_i = <gy, v_i>
     gs_i = p_i (g_i - sum_j p_j g_j)
@@ -21,14 +21,14 @@ The kernels:
 - ``attn_res_bwd_rows_kernel`` (CUDA, H <= 8192; the default below 8192 token-candidate rows): the same
   gradients with the forward rows kernel's layout: one [BLOCK_H = next_power_of_2(H)] row at a time over all
   warps, a program's tokens as one software-pipelined stream of 2 K + 3 row loads each, dw accumulated in
-  registers. It lifts the tiles kernel's L1/shared-memory bound on the H200: 2.2-5.1x faster there
-  (docs/benchmarks.md, "Training").
+  registers. It lifts the tiles kernel's L1/shared-memory bound (docs/history.md,
+  "Backward (`attn_res_backward`)").
 - ``attn_res_bwd_stats_kernel``, ``attn_res_bwd_scalars_kernel``, ``attn_res_bwd_apply_kernel`` (CUDA, H <= 8192;
   the default from 8192 token-candidate rows; ``BackwardConfig(kernel="stats_apply")``): the same gradients
   split in two streams on (token range, column chunk) grids: chunk partials of the statistics, then per-token
   scalars (fixed-order chunk sum + softmax backward), then the element-wise dv / dw pass. Reads the inputs
   twice, but no step waits on the cross-warp reduction chain of a single program per SM
-  (docs/attn_res_backward.md; H200 figures in docs/benchmarks.md).
+  (docs/attn_res_backward.md, "Kernels"; docs/history.md, "Backward (`attn_res_backward`)").
 - ``attn_res_bwd_dw_reduce_kernel``: the weight gradient. Each program of the first kernel accumulates its
   tokens' contributions into its own row of a workspace [num_programs, H] (FP64; FP32 without ACC64) with no
   atomics (a row has one writer), and this kernel sums the rows in a fixed order (fixed-shape tile sums, then
@@ -534,8 +534,8 @@ def attn_res_bwd_stats_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, pa
                               ACC64: tl.constexpr, NUM_STAGES: tl.constexpr):
     # First kernel of the "stats_apply" backward: the per-token reductions, split over column chunks. Grid (token
     # ranges, column chunks of BLOCK_C), like the apply kernel: many small programs per SM hide each other's
-    # memory and reduction latency (the rows kernel's single 8-warp program per SM cannot: its statistics pass
-    # alone streamed at about a third of copy bandwidth on the H200). Per token, K + 2 row-chunk loads (grad_out,
+    # memory and reduction latency, which the rows kernel's single 8-warp program per SM cannot hide
+    # (docs/history.md, "Backward (`attn_res_backward`)"). Per token, K + 2 row-chunk loads (grad_out,
     # v_0 .. v_K); for each candidate the chunk's partial sum(v^2), <v, w>, <v, gy> go to
     # part[t, chunk, 0..2, i] (FP64 under ACC64), summed over chunks in a fixed order by
     # attn_res_bwd_scalars_kernel.
