@@ -186,7 +186,7 @@ def fused_attn_res_full(prefix_sum: torch.Tensor, addend: torch.Tensor | None, b
 
 def warmup(hidden_size: int, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, *,
            max_num_valid_blocks: int = 8, max_num_tokens: int = 65536, serving: bool = False,
-           weight_dtype: torch.dtype | None = None) -> int:
+           weight_dtype: torch.dtype | None = None, full: bool = False) -> int:
     """Compile every kernel variant the launch table can pick for one model, before CUDA/NPU-graph capture.
 
     Capture must not compile or allocate: call this once per (hidden_size, dtype, device) after loading the
@@ -200,8 +200,11 @@ def warmup(hidden_size: int, dtype: torch.dtype = torch.bfloat16, device: torch.
         device: a CUDA or Ascend NPU (PrivateUse1) device; None means the current CUDA device.
         serving: CUDA: also the in-place serving call vLLM's Kimi K3 model makes (``fused_attn_res_`` with the
             FP32-mix output norm, with and without a delta and the snapshot).
-        weight_dtype: CUDA: the dtype of the norm / projection weights (part of a compile key); None compiles for
-            the I/O dtype and fp32.
+        weight_dtype: the dtype of the norm / projection weights (part of a compile key); None compiles for the
+            I/O dtype and fp32. NPU: for the ``full`` forms only (its plain forward compiles for fp32 weights).
+        full: also :func:`fused_attn_res_full`'s call forms as vLLM-Ascend's model makes them (its fused op with
+            and without an addend, snapshot and the pre-norm mix returned; the new prefix into ``sum_out`` with the
+            FP32-mix norm; ``mix=False``), on CUDA and NPU.
     Returns:
         The number of kernel configurations run (0 where nothing needs compiling).
     """
@@ -216,7 +219,9 @@ def warmup(hidden_size: int, dtype: torch.dtype = torch.bfloat16, device: torch.
         from .backends import npu as backend  # lazy: importing k3_ops never imports torch_npu / triton-ascend
     else:
         return 0  # CPU: the reference needs no compilation
-    extra = dict(serving=serving, weight_dtype=weight_dtype) if device.type == "cuda" else {}
+    extra = dict(full=full, weight_dtype=weight_dtype)
+    if device.type == "cuda":
+        extra["serving"] = serving
     return backend.warmup(hidden_size, dtype, device, max_num_valid_blocks=max_num_valid_blocks,
                           max_num_tokens=max_num_tokens, **extra)
 

@@ -77,10 +77,13 @@ from . import (
 )
 from ._fused import FusedArgs as _FusedArgs
 from ._fused import (
+    add_snapshot_args,
+    full_outputs,
     fused_hidden_dims,
     fused_kernel_args,
     fused_token_strides,
     kernel_output,
+    trivial_full_call,
     trivial_fused_attn_res,
     trivial_serving_call,
 )
@@ -105,6 +108,7 @@ __all__ = [
     "SERVING_TOKEN_CONFIG",
     "fused_attn_res_quant",
     "fused_attn_res_",
+    "fused_attn_res_full",
     "warmup",
     "BackwardConfig",
     "BACKWARD_CONFIG",
@@ -647,10 +651,12 @@ def attn_res_forward(prefix_sum: torch.Tensor, block_residual: torch.Tensor, nor
 def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int, eps: float,
                     fused: _FusedArgs | None = None) -> None:
     T, H = prefix_sum.shape
-    if H > 1 and prefix_sum.stride(1) != 1 and plan.kernel in ("token", "rows") and not (fused and fused.inplace):
+    if (H > 1 and prefix_sum.stride(1) != 1 and plan.kernel in ("token", "rows")
+            and not (fused and fused.inplace and fused.addend is not None)):
         # A hidden-strided prefix row is copied (a [T, H] copy) so that the kernel reads it with the unit-stride
         # layout: the strided variant would reduce in another order and give other bits than the same values
-        # passed contiguously. Not for the in-place serving call, which must store into the caller's prefix.
+        # passed contiguously. Not for the in-place serving call with an addend, which must store into the caller's
+        # prefix (without one it stores nothing there).
         _launch.unrecordable()  # the copy is device work outside the recorded launches
         prefix_sum = prefix_sum.contiguous()
     ps_t, ps_h = prefix_sum.stride()
@@ -699,7 +705,11 @@ def _launch_forward(plan: _Plan, prefix_sum, block_residual, nw, pw, out, K: int
         # The plain op and every fused call, on 16-byte rows (so a fused call's mix is the plain op's, and an FP8
         # call's output the quantised output of the same call without FP8, bit for bit); other layouts: the plan
         # the table names for them.
-        fused_ok = fused is None or fused.addend is None or fused.addend.dtype == prefix_sum.dtype
+        # Not the calls only a Triton plan serves: a rounded-mix output (fused_attn_res.full's return_mix) and a new
+        # prefix into rows of another token stride than H (its sum_out); the native kernels have neither.
+        fused_ok = fused is None or (
+            (fused.addend is None or fused.addend.dtype == prefix_sum.dtype) and fused.mix_out is None
+            and (fused.new_prefix is None or fused.new_prefix.is_contiguous()))
         onw = None if fused is None else fused.out_norm_weight
         rows = (prefix_sum, block_residual, out,
                 *(t for t in (() if fused is None else (fused.new_prefix, fused.addend)) if t is not None))
@@ -768,9 +778,21 @@ def _warmup_plans(device: torch.device, H: int, max_num_valid_blocks: int,
     return plans
 
 
+#: fused_attn_res.full's call forms that ``warmup(full=True)`` compiles (vLLM-Ascend's, docs/fused_attn_res.md), as
+#: (addend, snapshot, output norm, round_mix, return_mix, sum_out): its fused op with and without an addend and a
+#: snapshot, the rounded-mix norm, with and without the pre-norm mix returned; its Triton form, the new prefix into
+#: sum_out, with the FP32-mix norm or none. (The calls with an addend, no sum_out and no return_mix are fused_attn_res's
+#: own variants.)
+FULL_FORMS = tuple((addend, write, True, True, ret, False) for addend in (True, False) for write in (False, True)
+                   for ret in (False, True)) + ((True, False, True, False, False, True),
+                                                (True, False, False, True, False, True))
+#: fused_attn_res.full's mix=False calls, as (addend, snapshot): the add, with or without the snapshot; the snapshot.
+ADD_SNAPSHOT_FORMS = ((True, False), (True, True), (False, True))
+
+
 def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
            max_num_valid_blocks: int = 8, max_num_tokens: int = 65536, fused: bool = True, serving: bool = False,
-           weight_dtype: torch.dtype | None = None) -> int:
+           weight_dtype: torch.dtype | None = None, full: bool = False) -> int:
     """Compile every launch-table key for one model before CUDA-graph capture; returns the number of plans run.
 
     Each distinct plan (compile key) that the table can pick for T in 1..max_num_tokens and K in
@@ -782,7 +804,8 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
     ``fused=True`` also compiles each plan's fused_attn_res variants that a Kimi K3 decoder layer uses (residual
     addend and output RMSNorm, with and without the block snapshot). ``serving=True`` also compiles the in-place
     serving call vLLM's Kimi K3 model makes (fused_attn_res_ with and without a delta, with and without the
-    snapshot, the output norm of the FP32 mix; no FP8 output). ``weight_dtype``: the dtype of the norm and
+    snapshot, the output norm of the FP32 mix; no FP8 output). ``full=True`` also compiles fused_attn_res.full's
+    call forms (``FULL_FORMS``, ``ADD_SNAPSHOT_FORMS``: vLLM-Ascend's). ``weight_dtype``: the dtype of the norm and
     projection weights (a pointer's dtype is part of a compile key); None compiles for the I/O dtype and fp32.
     Other flag combinations compile on first use, outside capture.
     """
@@ -821,9 +844,28 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
                                 args, out = _FusedArgs.allocate(target, addend, write_idx, w, 1e-6, inplace=True,
                                                                 round_mix=False)
                                 _launch_forward(p, target, spare, w, w, kernel_output(out), K, 1e-6, args)
+                if full:
+                    _warmup_full(plan, T, K, H, prefix, spare, w)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(plans)
+
+
+def _warmup_full(plan: _Plan, T: int, K: int, H: int, prefix: torch.Tensor, spare: torch.Tensor,
+                 w: torch.Tensor) -> None:
+    # Each form on the plan fused_attn_res_full would take (the serving plan where the form has a serving flag) and
+    # on that plan's fallback (the calls a native kernel leaves to it), then the add-and-snapshot kernel.
+    for addend, write, norm, round_mix, ret, into in FULL_FORMS:
+        sum_out = torch.empty_like(prefix) if into else None
+        args, out = _FusedArgs.allocate_full(prefix, prefix if addend else None, K if write else -1,
+                                             w if norm else None, 1e-6, round_mix=round_mix, return_mix=ret,
+                                             sum_out=sum_out)
+        base = _serving_plan(plan, T, K, H, prefix.device) if args.serving else plan
+        for p in (base,) if base.fallback is None else (base, base.fallback):
+            _launch_forward(p, prefix, spare, w, w, out, K, 1e-6, args)
+    for addend, write in ADD_SNAPSHOT_FORMS:
+        _launch_add_snapshot(prefix, prefix if addend else None, torch.empty_like(prefix) if addend else None, spare,
+                             K if write else -1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -945,6 +987,65 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
                                      round_mix=round_mix, out_dtype=out_dtype)
     _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
     return out, fused.scale if fused.scale is not None else out.new_empty((0,), dtype=torch.float32)
+
+
+def fused_attn_res_full(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                        norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                        block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                        out_norm_eps: float | None = None, *, round_mix: bool = True, return_mix: bool = False,
+                        mix: bool = True, sum_out: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res.full on CUDA tensors (or CPU tensors under the Triton interpreter); arguments already
+    checked by ``k3_ops._C.check_fused_attn_res_full``. Returns ``(out, new_prefix, mix)``, each output not produced
+    an empty [0] tensor; writes ``block_residual[:, block_write_idx]`` (>= 0) and ``sum_out`` (given), nothing else.
+
+    One launch: the table's plan for the calls fused_attn_res makes (an addend, the new prefix into a fresh tensor
+    or ``sum_out``, the rounded-mix norm), so their ``out`` is fused_attn_res's bit for bit; the serving plan
+    (``_serving_plan``) for those only the serving flags serve: the new prefix kept in prefix_sum (no addend), the
+    FP32-mix norm, ``return_mix``. The native cluster / stream kernels store no mix and new prefixes only at token
+    stride H: such calls run their plan's Triton fallback. ``mix=False``: ``attn_res_add_snapshot_kernel`` (no launch
+    without an addend, ``sum_out`` or snapshot). fp64 and T = 0 run the reference composition.
+    """
+    trivial = trivial_full_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                                block_write_idx, out_norm_weight, out_norm_eps, round_mix=round_mix,
+                                return_mix=return_mix, mix=mix, sum_out=sum_out, attn_res_fn=attn_res_forward)
+    if trivial is not None:
+        return trivial
+    if not mix:
+        new_prefix = None
+        if addend is not None and sum_out is None:
+            new_prefix = torch.empty(prefix_sum.shape, dtype=prefix_sum.dtype, device=prefix_sum.device)
+        _launch_add_snapshot(prefix_sum, addend, new_prefix if sum_out is None else sum_out, block_residual,
+                             block_write_idx)
+        return full_outputs(None, prefix_sum, None, new_prefix)
+    T, H = prefix_sum.shape
+    K = int(num_valid_blocks)
+    fused, out = _FusedArgs.allocate_full(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                          eps if out_norm_eps is None else out_norm_eps, round_mix=round_mix,
+                                          return_mix=return_mix, sum_out=sum_out)
+    if fused.serving:
+        _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, K, eps, fused, out)
+    else:
+        nw, pw = prepare_weights(norm_weight, proj_weight)
+        _launch_forward(choose_config(T, K, H, prefix_sum.device), prefix_sum, block_residual, nw, pw, out, K,
+                        float(eps), fused)
+    return full_outputs(fused, prefix_sum, out, None if sum_out is not None else fused.new_prefix)
+
+
+def _launch_add_snapshot(prefix_sum: torch.Tensor, addend: torch.Tensor | None, new_prefix: torch.Tensor | None,
+                         block_residual: torch.Tensor, block_write_idx: int) -> None:
+    # One program per token (a row of H elements is a few KB: the grid, not the program, carries the bandwidth).
+    if new_prefix is None and block_write_idx < 0:
+        return  # nothing to write: the new prefix is prefix_sum itself
+    args, runtime, flags = add_snapshot_args(prefix_sum, addend, new_prefix, block_residual, block_write_idx, 1)
+    key = ("add_snapshot", *flags.items())
+
+    def constexprs() -> dict:
+        return dict(flags, num_warps=4, **TRITON_COMPILE_OPTIONS)
+
+    with _device_guard(prefix_sum):
+        _launch.launch(_fwd.attn_res_add_snapshot_kernel, (prefix_sum.size(0),), args, runtime, key, constexprs,
+                       ntensors=2, interpreted=use_interpreter(prefix_sum), stream=_stream(prefix_sum))
 
 
 # --------------------------------------------------------------------------------------------------------------

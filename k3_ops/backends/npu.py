@@ -69,10 +69,13 @@ from . import (
 )
 from ._fused import FusedArgs as _FusedArgs
 from ._fused import (
+    add_snapshot_args,
+    full_outputs,
     fused_hidden_dims,
     fused_kernel_args,
     fused_token_strides,
     kernel_output,
+    trivial_full_call,
     trivial_fused_attn_res,
     trivial_serving_call,
 )
@@ -96,6 +99,7 @@ __all__ = [
     "fused_attn_res",
     "fused_attn_res_quant",
     "fused_attn_res_",
+    "fused_attn_res_full",
     "warmup",
     "npu_bwd_block_h",
     "attn_res_backward",
@@ -337,11 +341,14 @@ def _launch_forward(prefix_sum, block_residual, nw, pw, out, K: int, eps: float,
 
 
 def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
-           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536) -> int:
+           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536, full: bool = False,
+           weight_dtype: torch.dtype | None = None) -> int:
     """Compile every NPU forward compile key for one model (one per distinct ``forward_plan`` for K in
     1..max_num_valid_blocks: one single-read kernel, or one two-pass kernel per K_PAD) before graph capture;
     returns the number of launches. ``max_num_tokens`` is accepted for symmetry with the CUDA backend: the token
-    count never enters a compile key here."""
+    count never enters a compile key here. ``full=True`` also compiles fused_attn_res.full's call forms
+    (vLLM-Ascend's: ``cuda.FULL_FORMS`` and ``cuda.ADD_SNAPSHOT_FORMS``) with weights of ``weight_dtype`` (None: the
+    I/O dtype and fp32; the plain forward keeps its fp32 weights)."""
     del max_num_tokens
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return 0
@@ -356,7 +363,28 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
             prefix = torch.zeros((1, H), dtype=dtype, device=device)
             blocks = torch.zeros((1, K, H), dtype=dtype, device=device)
             attn_res_forward(prefix, blocks, w, w, K, 1e-6)
+        if full:
+            _warmup_full(plans, H, dtype, device, weight_dtype)
     return len(plans)
+
+
+def _warmup_full(plans: dict[ForwardPlan, int], H: int, dtype: torch.dtype, device: torch.device,
+                 weight_dtype: torch.dtype | None) -> None:
+    # The forms as the CUDA policy lists them (one list, no triton import there beyond what this module has).
+    from .cuda import ADD_SNAPSHOT_FORMS, FULL_FORMS
+
+    for wdtype in [weight_dtype] if weight_dtype is not None else list(dict.fromkeys([dtype, torch.float32])):
+        w = torch.ones(H, dtype=wdtype, device=device)
+        for K in plans.values():
+            prefix = torch.zeros((1, H), dtype=dtype, device=device)
+            spare = torch.zeros((1, K + 1, H), dtype=dtype, device=device)
+            for addend, write, norm, round_mix, ret, into in FULL_FORMS:
+                fused_attn_res_full(prefix, prefix if addend else None, spare, w, w, K, 1e-6, K if write else -1,
+                                    w if norm else None, None, round_mix=round_mix, return_mix=ret,
+                                    sum_out=torch.empty_like(prefix) if into else None)
+            for addend, write in ADD_SNAPSHOT_FORMS:
+                fused_attn_res_full(prefix, prefix if addend else None, spare, w, w, K, 1e-6, K if write else -1,
+                                    mix=False)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -452,6 +480,46 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
                                      round_mix=round_mix, out_dtype=out_dtype)
     _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
     return out, fused.scale if fused.scale is not None else out.new_empty((0,), dtype=torch.float32)
+
+
+def fused_attn_res_full(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                        norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                        block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                        out_norm_eps: float | None = None, *, round_mix: bool = True, return_mix: bool = False,
+                        mix: bool = True, sum_out: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res.full on Ascend NPU (PrivateUse1) tensors (arguments already checked by
+    ``k3_ops._C.check_fused_attn_res_full``). Returns ``(out, new_prefix, mix)``, each output not produced an empty
+    [0] tensor. Every form is one launch: the ``forward_plan`` kernel with its fused and serving flags (the new
+    prefix into ``sum_out`` or, without an addend, nowhere; the rounded mix stored beside the output with
+    ``return_mix``: single-read from the row in the tile, two-pass chunk by chunk in pass 2), or with ``mix=False``
+    ``attn_res_add_snapshot_kernel`` over the same grid (no launch without an addend, ``sum_out`` or snapshot).
+    fp64 and T = 0 run the reference composition.
+    """
+    trivial = trivial_full_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                                block_write_idx, out_norm_weight, out_norm_eps, round_mix=round_mix,
+                                return_mix=return_mix, mix=mix, sum_out=sum_out, attn_res_fn=attn_res_forward)
+    if trivial is not None:
+        return trivial
+    if not mix:
+        new_prefix = None
+        if addend is not None and sum_out is None:
+            new_prefix = torch.empty(prefix_sum.shape, dtype=prefix_sum.dtype, device=prefix_sum.device)
+        target = new_prefix if sum_out is None else sum_out
+        if target is not None or block_write_idx >= 0:
+            T = prefix_sum.size(0)
+            grid = max(1, min(num_vector_cores(prefix_sum.device), T))
+            args, runtime, flags = add_snapshot_args(raw(prefix_sum), None if addend is None else raw(addend),
+                                                     None if target is None else raw(target), raw(block_residual),
+                                                     block_write_idx, triton.cdiv(T, grid))
+            _fwd.attn_res_add_snapshot_kernel[(grid,)](*args, **runtime, **flags, **launch_options(),
+                                                       **compile_options())
+        return full_outputs(None, prefix_sum, None, new_prefix)
+    fused, out = _FusedArgs.allocate_full(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                          eps if out_norm_eps is None else out_norm_eps, round_mix=round_mix,
+                                          return_mix=return_mix, sum_out=sum_out)
+    _launch_serving(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
+    return full_outputs(fused, prefix_sum, out, None if sum_out is not None else fused.new_prefix)
 
 
 # --------------------------------------------------------------------------------------------------------------
