@@ -329,8 +329,31 @@ std::optional<std::pair<int64_t, int64_t>> byte_extent(const at::Tensor& t) {
   return std::make_pair(*lo * item, (last + 1) * item);
 }
 
-// Two tensors that live in one storage with intersecting byte extents (a conservative test: two interleaved views
-// whose elements never coincide count as overlapping too).
+// Two [T, H] tensors of contiguous rows at one token stride s (at least either row's length) whose rows sit in
+// different columns of s, e.g. the two halves of one [T, 2 H] allocation: their elements never meet, whatever their
+// extents. False where that is not known.
+template <typename P>
+bool side_by_side_rows(const at::Tensor& a, const at::Tensor& b) {
+  if (a.dim() != 2 || b.dim() != 2 || a.element_size() != b.element_size()) {
+    return false;
+  }
+  const auto sa = P::stride(a, 0), sb = P::stride(b, 0), ha = P::stride(a, 1), hb = P::stride(b, 1);
+  const auto la = P::known(P::size(a, 1)), lb = P::known(P::size(b, 1));
+  const auto oa = P::offset(a), ob = P::offset(b);
+  if (!(sa && sb && ha && hb && la && lb && oa && ob) || *sa != *sb || *sa <= 0) {
+    return false;
+  }
+  const int64_t s = *sa;
+  if ((*la > 1 && *ha != 1) || (*lb > 1 && *hb != 1) || *la > s || *lb > s) {
+    return false;
+  }
+  // b's rows start d elements after a's within each stride: a holds columns [0, la), b [d, d + lb).
+  const int64_t d = ((*ob - *oa) % s + s) % s;
+  return d >= *la && d + *lb <= s;
+}
+
+// Two tensors that live in one storage with intersecting byte extents, unless they are side-by-side rows (above).
+// Conservative otherwise: two interleaved views whose elements never coincide count as overlapping.
 template <typename P>
 Verdict no_shared_memory(const at::Tensor& out, const char* out_name, const at::Tensor& t, const char* name,
                          const char* why) {
@@ -339,7 +362,7 @@ Verdict no_shared_memory(const at::Tensor& out, const char* out_name, const at::
   }
   const auto a = byte_extent<P>(out);
   const auto b = byte_extent<P>(t);
-  if (!a || !b) {
+  if (!a || !b || side_by_side_rows<P>(out, t)) {
     return std::nullopt;
   }
   K3_VALUE_RULE(!(a->first < b->second && b->first < a->second), out_name, " must not share memory with ", name,

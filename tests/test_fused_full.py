@@ -355,6 +355,10 @@ def _overlapping(a: dict, name: str) -> None:
         a["prefix_sum"], a["sum_out"] = wide[:5], wide[3:8]
     elif name == "addend":
         a["sum_out"] = a["addend"]
+    elif name == "prefix_half":
+        # Rows at one token stride whose columns meet: half of each sum_out row over a prefix_sum row.
+        wide = torch.cat([a["prefix_sum"], a["prefix_sum"]], dim=1)
+        a["prefix_sum"], a["sum_out"] = wide[:, :64], wide[:, 32:96]
     else:
         a["sum_out"] = a["block_residual"][:, 4]
 
@@ -390,6 +394,9 @@ BAD = {
                               r"^sum_out must not share memory with prefix_sum \(the new prefix is stored into sum_out "
                               r"while the inputs are read\), got sum_out at bytes \[384, 1024\) and prefix_sum at "
                               r"bytes \[0, 640\) of one storage$"),
+    "sum_out_over_half_a_prefix_row": (lambda a, kw: _overlapping(a, "prefix_half"), ValueError,
+                                       r"^sum_out must not share memory with prefix_sum .* got sum_out at bytes "
+                                       r"\[64, 1216\) and prefix_sum at bytes \[0, 1152\) of one storage$"),
     "sum_out_is_addend": (lambda a, kw: _overlapping(a, "addend"), ValueError,
                           r"^sum_out must not share memory with addend .* got sum_out at bytes \[0, 640\) and addend "
                           r"at bytes \[0, 640\) of one storage$"),
@@ -444,6 +451,28 @@ def test_bad_input_under_fake_tensor_mode(name: str, device: str):
         fake_kw = {k: fake(v) for k, v in kw.items()}
         with pytest.raises(exc, match=pattern):
             OP(*positional(fake_args), **fake_kw)
+
+
+@pytest.mark.parametrize("beside", ["prefix_sum", "addend"])
+def test_sum_out_beside_an_input_in_one_allocation(beside: str, device: str):
+    """sum_out and prefix_sum (or addend) as the two halves of one [T, 2 H] allocation: rows side by side at one token
+    stride share no element, so the call is valid (eagerly and at trace time) and the other half is untouched."""
+    case = replace(CASES[0], sum_out="dense")
+    args = case.make(device)
+    wide = torch.full((5, 128), float("nan"), dtype=torch.bfloat16, device=device)
+    wide[:, :64] = args[beside]
+    args[beside], args["sum_out"] = wide[:, :64], wide[:, 64:]
+    kept = args[beside].clone()
+    want = args["prefix_sum"] + args["addend"]
+    with FakeTensorMode() as mode:
+        fake_wide = mode.from_tensor(wide)
+        fake = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+        fake[beside], fake["sum_out"] = fake_wide[:, :64], fake_wide[:, 64:]
+        run(case, fake)
+    out, new_prefix, _ = run(case, args)
+    assert new_prefix.shape == (0,) and torch.equal(bits(args["sum_out"]), bits(want))
+    assert torch.equal(bits(args[beside]), bits(kept)), f"the {beside} half was written"
+    assert torch.equal(bits(out), bits(FUSED(*positional(case.make(device)))[0]))
 
 
 # --- torch.compile: vLLM-Ascend's call forms inside one graph ---------------------------------------------
