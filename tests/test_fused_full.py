@@ -104,6 +104,7 @@ CASES = [
     FullCase(FusedCase(S(1, 5, 9, 256), write="none", norm="own"), return_mix=True),  # decode, one token
     FullCase(FusedCase(S(4, 3, 5, 64), norm="none"), return_mix=True),  # no norm: the mix is out
     FullCase(FusedCase(S(4, 8, 8, 64), norm="own")),  # full capacity: no snapshot
+    FullCase(FusedCase(S(3, 6, 8, 64), norm="own"), sum_out="rows"),  # CUDA's split path, sum_out at stride 2 H
     FullCase(FusedCase(S(5, 3, 5, 64)), mix=False),  # pipeline-parallel boundary: add and snapshot
     FullCase(FusedCase(S(5, 3, 5, 64), write="none", views=True), mix=False, sum_out="rows"),
     FullCase(FusedCase(S(5, 3, 5, 64), addend=False), mix=False),  # snapshot only
@@ -321,7 +322,7 @@ def test_fake_outputs_match_real_run(case: FullCase, device: str):
         assert (f.shape, f.dtype, f.stride(), f.device) == (r.shape, r.dtype, r.stride(), r.device)
 
 
-OPCHECK_CASES = [CASES[i] for i in (0, 1, 2, 3, 5, 7, 8, 10, 11, 12, 14, 15)]
+OPCHECK_CASES = [CASES[i] for i in (0, 1, 2, 3, 5, 7, 8, 10, 11, 12, 13, 15, 16)]
 
 
 @pytest.mark.parametrize("case", case_params(OPCHECK_CASES))
@@ -672,7 +673,7 @@ def test_cuda_policy_routes_the_extra_outputs(monkeypatch):
 
 @requires_interpreter
 @pytest.mark.interpreter
-@pytest.mark.parametrize("case", case_params([CASES[0], CASES[2], CASES[10], CASES[11]]))
+@pytest.mark.parametrize("case", case_params([CASES[0], CASES[2], CASES[11], CASES[12]]))
 def test_simulated_npu_through_the_dispatcher(simulated_npu, case: FullCase):  # noqa: F811
     """fused_attn_res.full on PrivateUse1 tensors: the registered op reaches the NPU policy, writes the device's own
     buffer and sum_out, and returns device tensors."""
