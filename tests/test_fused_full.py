@@ -768,3 +768,21 @@ def test_warmup_full_compiles_the_call_forms():
                 args[k] = args[k].to(torch.bfloat16)
             run(case, args)
     assert _launch.cache_size() == before, "a fused_attn_res.full form compiled after warmup(full=True)"
+
+
+# --- the benchmark section (timed on the device by ``python -m k3_ops.bench full``) --------------------------
+def test_bench_full_section_times_every_form(device: str):
+    """``python -m k3_ops.bench full``: one row per (T, K) with every form timed and finite (no NaN from the
+    poisoned capacity), and the two ratios; not part of the main job's default sections."""
+    from k3_ops.bench import cli, full
+    from k3_ops.bench.common import Options
+    from k3_ops.bench.timing import Timer
+
+    assert "full" in cli.SECTIONS and "full" not in cli.DEFAULT_SECTIONS
+    opts = Options(device=device, hidden=64, tokens=[1, 4], blocks=[1, 8], rep_ms=0.5, quick=True, progress=False)
+    res = full.run(opts, Timer(device, rep_ms=0.5, quick=True))
+    assert [(r["T"], r["K"]) for r in res["rows"]] == [(1, 1), (4, 1), (1, 8), (4, 8)]
+    assert res["notes"] == [], res["notes"]
+    for row in res["rows"]:
+        assert all(row[f"us:{n}"] > 0 and row[f"bw:{n}"] > 0 for n in full.BYTES)
+        assert row["retmix_vs_fused"] > 0 and row["nomix_vs_add_copy"] > 0
