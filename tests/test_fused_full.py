@@ -511,29 +511,9 @@ def fresh_compile():
     torch._dynamo.reset()
 
 
-def test_compiled_forms_match_eager(fresh_compile, device: str):
-    """fullgraph (no graph break) with a dynamic token count: compiled == eager bit for bit, outputs and the two
-    mutated tensors (the buffer's snapshot, sum_out) alike, for two token counts through one graph."""
-    import torch._dynamo.testing
-
-    counter = torch._dynamo.testing.CompileCounter()
-    compiled = torch.compile(_forms, fullgraph=True, dynamic=True, backend=counter)
-    for T in (6, 3):  # neither equal to the capacity (5): duck sizing would tie the two
-        inputs = _compile_inputs(T, device)
-        eager_inputs = tuple(t.clone() for t in inputs)
-        want = _forms(*eager_inputs)
-        got = compiled(*inputs)
-        for g, w in zip(got, want):
-            assert torch.equal(bits(g), bits(w)), "compiled output != eager"
-        for i in (2, 6):
-            assert torch.equal(bits(inputs[i]), bits(eager_inputs[i])), "compiled mutation != eager mutation"
-    assert counter.frame_count == 1, f"{counter.frame_count} compiled frames: recompiled"
-
-
-def test_compiled_forms_with_inductor(fresh_compile, device: str):
-    """The same graph through Inductor (functionalization of the snapshot and of sum_out, then reinplacing)."""
-    compiled = torch.compile(_forms, fullgraph=True, dynamic=True)
-    inputs = _compile_inputs(4, device)
+def _compiled_matches_eager(compiled, T: int, device: str) -> None:
+    # Outputs and the two mutated tensors (the buffer's snapshot, sum_out) bit for bit.
+    inputs = _compile_inputs(T, device)
     eager_inputs = tuple(t.clone() for t in inputs)
     want = _forms(*eager_inputs)
     got = compiled(*inputs)
@@ -541,6 +521,23 @@ def test_compiled_forms_with_inductor(fresh_compile, device: str):
         assert torch.equal(bits(g), bits(w)), "compiled output != eager"
     for i in (2, 6):
         assert torch.equal(bits(inputs[i]), bits(eager_inputs[i])), "compiled mutation != eager mutation"
+
+
+def test_compiled_forms_match_eager(fresh_compile, device: str):
+    """fullgraph (no graph break) with a dynamic token count: compiled == eager for two token counts through one
+    graph (no recompile)."""
+    import torch._dynamo.testing
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(_forms, fullgraph=True, dynamic=True, backend=counter)
+    for T in (6, 3):  # neither equal to the capacity (5): duck sizing would tie the two
+        _compiled_matches_eager(compiled, T, device)
+    assert counter.frame_count == 1, f"{counter.frame_count} compiled frames: recompiled"
+
+
+def test_compiled_forms_with_inductor(fresh_compile, device: str):
+    """The same graph through Inductor (functionalization of the snapshot and of sum_out, then reinplacing)."""
+    _compiled_matches_eager(torch.compile(_forms, fullgraph=True, dynamic=True), 4, device)
 
 
 @pytest.mark.parametrize("name", ["return_mix_without_mix", "out_norm_without_mix", "sum_out_hidden_strided",

@@ -27,7 +27,7 @@ from . import KERNEL_IO_DTYPES, hidden_strided, next_power_of_2, prepare_weights
 
 __all__ = ["FusedArgs", "trivial_fused_attn_res", "trivial_serving_call", "trivial_full_call", "full_outputs",
            "kernel_output", "fused_kernel_args", "fused_hidden_dims", "fused_token_strides", "ADD_SNAPSHOT_BLOCK",
-           "add_snapshot_args"]
+           "add_snapshot_outputs", "add_snapshot_args"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,16 @@ def full_outputs(fused: FusedArgs | None, prefix_sum: torch.Tensor, out: torch.T
         return prefix_sum.new_empty((0,)) if t is None else t
 
     return produced(out), produced(new_prefix), produced(None if fused is None else fused.mix_out)
+
+
+def add_snapshot_outputs(prefix_sum: torch.Tensor, addend: torch.Tensor | None, sum_out: torch.Tensor | None,
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fused_attn_res.full with mix=False: (where the kernel stores the new prefix: sum_out, a fresh [T, H] with an
+    addend, else None; that fresh tensor, the call's new_prefix output, or None)."""
+    fresh = None
+    if addend is not None and sum_out is None:
+        fresh = torch.empty(prefix_sum.shape, dtype=prefix_sum.dtype, device=prefix_sum.device)
+    return (fresh if sum_out is None else sum_out), fresh
 
 
 #: Hidden elements per step of the add-and-snapshot kernel (fused_attn_res.full with mix=False): a streaming copy

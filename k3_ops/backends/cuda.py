@@ -78,6 +78,7 @@ from . import (
 from ._fused import FusedArgs as _FusedArgs
 from ._fused import (
     add_snapshot_args,
+    add_snapshot_outputs,
     full_outputs,
     fused_hidden_dims,
     fused_kernel_args,
@@ -1012,11 +1013,8 @@ def fused_attn_res_full(prefix_sum: torch.Tensor, addend: torch.Tensor | None, b
     if trivial is not None:
         return trivial
     if not mix:
-        new_prefix = None
-        if addend is not None and sum_out is None:
-            new_prefix = torch.empty(prefix_sum.shape, dtype=prefix_sum.dtype, device=prefix_sum.device)
-        _launch_add_snapshot(prefix_sum, addend, new_prefix if sum_out is None else sum_out, block_residual,
-                             block_write_idx)
+        target, new_prefix = add_snapshot_outputs(prefix_sum, addend, sum_out)
+        _launch_add_snapshot(prefix_sum, addend, target, block_residual, block_write_idx)
         return full_outputs(None, prefix_sum, None, new_prefix)
     T, H = prefix_sum.shape
     K = int(num_valid_blocks)

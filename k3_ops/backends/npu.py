@@ -70,6 +70,7 @@ from . import (
 from ._fused import FusedArgs as _FusedArgs
 from ._fused import (
     add_snapshot_args,
+    add_snapshot_outputs,
     full_outputs,
     fused_hidden_dims,
     fused_kernel_args,
@@ -502,10 +503,7 @@ def fused_attn_res_full(prefix_sum: torch.Tensor, addend: torch.Tensor | None, b
     if trivial is not None:
         return trivial
     if not mix:
-        new_prefix = None
-        if addend is not None and sum_out is None:
-            new_prefix = torch.empty(prefix_sum.shape, dtype=prefix_sum.dtype, device=prefix_sum.device)
-        target = new_prefix if sum_out is None else sum_out
+        target, new_prefix = add_snapshot_outputs(prefix_sum, addend, sum_out)
         if target is not None or block_write_idx >= 0:
             T = prefix_sum.size(0)
             grid = max(1, min(num_vector_cores(prefix_sum.device), T))
