@@ -1033,6 +1033,8 @@ def fused_attn_res_full(prefix_sum: torch.Tensor, addend: torch.Tensor | None, b
 def _launch_add_snapshot(prefix_sum: torch.Tensor, addend: torch.Tensor | None, new_prefix: torch.Tensor | None,
                          block_residual: torch.Tensor, block_write_idx: int) -> None:
     # One program per token (a row of H elements is a few KB: the grid, not the program, carries the bandwidth).
+    # Launched without PDL: it waits for its predecessor as any launch does, and a PDL successor's gdc_wait waits for
+    # its completion (it never triggers its dependents early).
     if new_prefix is None and block_write_idx < 0:
         return  # nothing to write: the new prefix is prefix_sum itself
     args, runtime, flags = add_snapshot_args(prefix_sum, addend, new_prefix, block_residual, block_write_idx, 1)
