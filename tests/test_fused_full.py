@@ -746,6 +746,39 @@ def test_kernel_launches_per_full_call(T: int, form: str):
 
 @requires_cuda
 @pytest.mark.cuda
+@pytest.mark.skipif(not getattr(k3_ops._C, "cpp_launch_enabled", False),
+                    reason="needs a CUDA build of k3_ops._C with the C++ launch path (K3_OPS_CPP_LAUNCH != 0)")
+@pytest.mark.parametrize("form", ["retmix", "sumout_rows", "nomix", "noadd"])
+def test_cpp_launch_cache_replays_full_calls(form: str):
+    """The C++ CUDA kernel records a fused_attn_res.full call (sum_out, a keyword-only input, named by its schema
+    position) and replays it for the next call with the same metadata: the same bits as the op's Python kernel on
+    copies of the inputs, outputs, the buffer and sum_out alike."""
+    from k3_ops import _registration
+
+    case = {"retmix": FullCase(FusedCase(S(8, 3, 9, 7168), norm="own"), return_mix=True),
+            "sumout_rows": FullCase(FusedCase(S(8, 3, 9, 7168), write="none", norm="own"), sum_out="rows",
+                                    round_mix=False),
+            "nomix": FullCase(FusedCase(S(8, 3, 9, 7168)), mix=False, sum_out="rows"),
+            "noadd": FullCase(FusedCase(S(8, 3, 9, 7168), addend=False, norm="own"))}[form]
+    k3_ops._C.clear_launch_recipes()
+    run(case, case.make("cuda"))  # recorded
+    assert k3_ops._C.launch_recipe_count() == 1, "the call was not recorded"
+    args = case.make("cuda")
+    python = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    if case.sum_out == "rows":
+        python["sum_out"] = torch.full((8, 2 * 7168), float("nan"), device="cuda", dtype=torch.bfloat16)[:, :7168]
+    got = run(case, args)  # replayed
+    want = _registration._CUDA_KERNELS["fused_attn_res.full"](*positional(python), **case.kwargs(python))
+    for g, w in zip(got, want):
+        assert torch.equal(bits(g), bits(w))
+    for name in ("block_residual", "sum_out"):
+        if args[name] is not None:
+            assert torch.equal(bits(args[name]), bits(python[name])), f"{name} differs after the replay"
+    assert k3_ops._C.launch_recipe_count() == 1
+
+
+@requires_cuda
+@pytest.mark.cuda
 def test_warmup_full_compiles_the_call_forms():
     """After ``k3_ops.warmup(..., full=True)`` vLLM-Ascend's call forms at any token count compile nothing (the
     launch cache's compiled variants do not grow), as CUDA-graph capture requires."""

@@ -29,8 +29,8 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m k3_ops.bench",
         description="Benchmarks of the kimi_k3 ops, on the best device present. Sections: mix (attn_res), "
                     "fused (fused_attn_res vs unfused), layer (a captured 24-layer decode step), host (eager "
-                    "call cost), train (forward + backward), full (fused_attn_res.full's call forms vs fused_attn_res; only when "
-                    "named); no section names all but full. Each writes "
+                    "call cost), train (forward + backward), full (fused_attn_res.full's call forms vs "
+                    "fused_attn_res; only when named); no section names all but full. Each writes "
                     "<section>.json, <section>.md (the table) and, for mix and fused, <section>.png under --out. "
                     "'python -m k3_ops.bench report FILE.json ...' prints saved results as Markdown tables.")
     p.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {', '.join(SECTIONS)} (default: all)")

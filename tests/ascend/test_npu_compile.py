@@ -374,11 +374,11 @@ def test_fused(recorder: Recorder, case: dict):
     assert [launch.kernel for launch in launches] == [_forward_kernel(dtype, H, K)], launches
 
 
-#: fused_attn_res.full's forms beyond fused_attn_res's (vLLM-Ascend's call forms), as the policy's keywords: the pre-norm
-#: mix returned (both norm rounding points), the new prefix into sum_out, mix=False (the add-and-snapshot kernel), each
-#: with and without an addend, a snapshot and an output norm where the form takes them. Narrower base axes than the
-#: other ops': what sets these forms' compile keys is the plan's kernel (single-read, two-pass), fp32's compensated
-#: sums, the hidden stride and K = 0 (the mix is the new prefix).
+#: fused_attn_res.full's forms beyond fused_attn_res's (vLLM-Ascend's call forms), as the policy's keywords: the
+#: pre-norm mix returned (both norm rounding points), the new prefix into sum_out, mix=False (the add-and-snapshot
+#: kernel), each with and without an addend, a snapshot and an output norm where the form takes them. Narrower base
+#: axes than the other ops': what sets these forms' compile keys is the plan's kernel (single-read, two-pass), fp32's
+#: compensated sums, the hidden stride and K = 0 (the mix is the new prefix).
 FULL_FORMS = {
     "retmix": dict(return_mix=True),
     "retmix_fp32mix": dict(return_mix=True, round_mix=False),
