@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace k3_ops {
 namespace {
@@ -329,27 +330,58 @@ std::optional<std::pair<int64_t, int64_t>> byte_extent(const at::Tensor& t) {
   return std::make_pair(*lo * item, (last + 1) * item);
 }
 
-// Two [T, H] tensors of contiguous rows at one token stride s (at least either row's length) whose rows sit in
-// different columns of s, e.g. the two halves of one [T, 2 H] allocation: their elements never meet, whatever their
-// extents. False where that is not known.
+// Where a 2-D [T, H] or 3-D [T, C, H] tensor of contiguous rows keeps its rows within one period of its token stride s:
+// the column ranges [start, start + H) modulo s of its rows (one per slot of a 3-D tensor). nullopt where that is not
+// known or a row is longer than s.
+template <typename P>
+std::optional<std::vector<std::pair<int64_t, int64_t>>> row_columns(const at::Tensor& t, int64_t s) {
+  if (t.dim() != 2 && t.dim() != 3) {
+    return std::nullopt;
+  }
+  const int64_t last = t.dim() - 1;
+  const auto len = P::known(P::size(t, last));
+  const auto unit = P::stride(t, last);
+  const auto offset = P::offset(t);
+  const auto slots = t.dim() == 3 ? P::known(P::size(t, 1)) : std::optional<int64_t>(1);
+  const auto slot_stride = t.dim() == 3 ? P::stride(t, 1) : std::optional<int64_t>(0);
+  if (!(len && unit && offset && slots && slot_stride) || (*len > 1 && *unit != 1) || *len > s) {
+    return std::nullopt;
+  }
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  for (int64_t c = 0; c < *slots; ++c) {
+    rows.emplace_back(((*offset + c * *slot_stride) % s + s) % s, *len);
+  }
+  return rows;
+}
+
+// Tensors of contiguous rows at one token stride s whose rows sit in different columns of s, e.g. the two halves of
+// one [T, 2 H] allocation, or a [T, H] slot beside a [T, C, H] bank in one [T, C + 1, H] allocation: their elements
+// never meet, whatever their extents. False where that is not known.
 template <typename P>
 bool side_by_side_rows(const at::Tensor& a, const at::Tensor& b) {
-  if (a.dim() != 2 || b.dim() != 2 || a.element_size() != b.element_size()) {
+  if (a.dim() < 2 || b.dim() < 2 || a.element_size() != b.element_size()) {
     return false;
   }
-  const auto sa = P::stride(a, 0), sb = P::stride(b, 0), ha = P::stride(a, 1), hb = P::stride(b, 1);
-  const auto la = P::known(P::size(a, 1)), lb = P::known(P::size(b, 1));
-  const auto oa = P::offset(a), ob = P::offset(b);
-  if (!(sa && sb && ha && hb && la && lb && oa && ob) || *sa != *sb || *sa <= 0) {
+  const auto sa = P::stride(a, 0), sb = P::stride(b, 0);
+  if (!sa || !sb || *sa != *sb || *sa <= 0) {
     return false;
   }
   const int64_t s = *sa;
-  if ((*la > 1 && *ha != 1) || (*lb > 1 && *hb != 1) || *la > s || *lb > s) {
+  const auto ra = row_columns<P>(a, s), rb = row_columns<P>(b, s);
+  if (!ra || !rb) {
     return false;
   }
-  // b's rows start d elements after a's within each stride: a holds columns [0, la), b [d, d + lb).
-  const int64_t d = ((*ob - *oa) % s + s) % s;
-  return d >= *la && d + *lb <= s;
+  for (const auto& [a0, la] : *ra) {
+    for (const auto& [b0, lb] : *rb) {
+      // On a circle of s columns: b's row starts d after a's; they miss each other iff a ends before b starts and b
+      // ends before a starts again.
+      const int64_t d = ((b0 - a0) % s + s) % s;
+      if (d < la || d + lb > s) {
+        return false;
+      }
+    }
+  }
+  return true;
 }
 
 // Two tensors that live in one storage with intersecting byte extents, unless they are side-by-side rows (above).

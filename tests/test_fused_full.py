@@ -476,6 +476,28 @@ def test_sum_out_beside_an_input_in_one_allocation(beside: str, device: str):
     assert torch.equal(bits(out), bits(FUSED(*positional(case.make(device)))[0]))
 
 
+def test_sum_out_in_a_slot_beside_the_bank(device: str):
+    """sum_out as the last slot of a [T, C + 1, H] allocation whose first C slots are the buffer: the rows sit in
+    different columns of the token stride, so the call is valid (eagerly and at trace time); the buffer changes
+    exactly as the same call with a separate sum_out changes it."""
+    case = replace(CASES[0], sum_out="dense")
+    args, plain = case.make(device), case.make(device)
+    bank = torch.full((5, 6, 64), float("nan"), dtype=torch.bfloat16, device=device)
+    bank[:, :5] = args["block_residual"]
+    args["block_residual"], args["sum_out"] = bank[:, :5], bank[:, 5]
+    with FakeTensorMode() as mode:
+        fake_bank = mode.from_tensor(bank)
+        fake = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+        fake["block_residual"], fake["sum_out"] = fake_bank[:, :5], fake_bank[:, 5]
+        run(case, fake)
+    got = run(case, args)
+    want = run(case, plain)
+    for g, w in zip(got, want):
+        assert torch.equal(bits(g), bits(w))
+    assert torch.equal(bits(args["block_residual"]), bits(plain["block_residual"]))
+    assert torch.equal(bits(args["sum_out"]), bits(plain["sum_out"]))
+
+
 # --- torch.compile: vLLM-Ascend's call forms inside one graph ---------------------------------------------
 COMPILE_H, COMPILE_CAP, COMPILE_K = 64, 5, 2
 
