@@ -388,8 +388,8 @@ def _bind_ctx(fn: Callable, name: str) -> Callable[[ModuleType, Callable], Calla
         if ctx is None:
             return fn
 
-        def bound(*args: Any) -> torch.Tensor:
-            return fn(*args, extra_ctx=ctx)
+        def bound(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return fn(*args, **kwargs, extra_ctx=ctx)
 
         bound.__name__ = bound.__qualname__ = name
         bound.__doc__ = fn.__doc__
@@ -421,6 +421,11 @@ DROP_INS: dict[str, tuple[_Params, Callable[[ModuleType, Callable], Callable]]] 
 }
 
 
+#: The drop-ins DROP_INS installs as they are (the flash-comm closures carry ``__k3_ops_drop_in__``).
+_DROP_IN_FUNCTIONS = (attn_res, apply_attn_res_vllm, vllm_ascend.apply_attn_res, vllm_ascend.apply_attention_residual,
+                      vllm_ascend.apply_ascend_attn_res)
+
+
 def _has_params(fn: Callable, expected: _Params) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
@@ -450,7 +455,7 @@ def patch_attn_res(module: str | ModuleType) -> list[str]:
         original = getattr(module, name, None)
         if not callable(original) or (name == "attn_res" and callable(getattr(module, "_apply_attn_res", None))):
             continue
-        if getattr(original, "__k3_ops_drop_in__", False):
+        if any(original is f for f in _DROP_IN_FUNCTIONS) or getattr(original, "__k3_ops_drop_in__", False):
             patched.append(name)
             continue
         if not _has_params(original, params):

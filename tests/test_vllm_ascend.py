@@ -50,10 +50,9 @@ from k3_ops import reference, vllm_ascend
 from k3_ops.testing import assert_close
 
 from conftest import DTYPE_NAMES, requires_cuda, requires_interpreter
-from test_kernels_interpreter import check_contract
+from test_fused import NORM_RTOL
+from test_kernels_interpreter import check_contract, truncate_to_bf16
 from test_npu_simulated import NpuTensor, simulated_npu  # noqa: F401  (the fixture)
-
-NORM_RTOL = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-5}
 
 
 def _have_full_op() -> bool:
@@ -135,10 +134,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _ptr(t: torch.Tensor) -> int:
     return (t.raw if isinstance(t, NpuTensor) else t).untyped_storage().data_ptr()
-
-
-def _truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
-    return (x.to(torch.float32).contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
 class Backend:
@@ -442,7 +437,7 @@ def test_form3_attn_res_fwd(backend: Backend, case: Fwd):
         assert torch.equal(_bits(raw_prefix), _bits(want["raw"])), f"{what}: raw_prefix != round(prefix + addend)"
     else:
         exact = cpu_args["prefix"].float() + cpu_args["addend"].float()
-        ok = (_bits(raw_prefix) == _bits(want["raw"])) | (_bits(raw_prefix) == _bits(_truncate_to_bf16(exact)))
+        ok = (_bits(raw_prefix) == _bits(want["raw"])) | (_bits(raw_prefix) == _bits(truncate_to_bf16(exact)))
         assert bool(ok.all()), f"{what}: raw_prefix is neither rounding of prefix + addend"
 
     # The pre-norm mix, then the output norm of that rounded mix.
@@ -539,7 +534,7 @@ def test_form4_addend_sum_out_out_norm(backend: Backend, call: Call, sum_out: bo
             assert torch.equal(_bits(target), _bits(want_sum)), f"{what}: sum_out != round(prefix + addend)"
         else:
             exact = cpu_args["prefix"].float() + cpu_args["addend"].float()
-            ok = (_bits(target) == _bits(want_sum)) | (_bits(target) == _bits(_truncate_to_bf16(exact)))
+            ok = (_bits(target) == _bits(want_sum)) | (_bits(target) == _bits(truncate_to_bf16(exact)))
             assert bool(ok.all()), f"{what}: sum_out is neither rounding of prefix + addend"
     summed = _cpu(target) if sum_out else want_sum
     expected, _ = reference.fused_attn_res_reference(summed, None, cpu_args["bank"], cpu_args["norm"].weight,

@@ -31,6 +31,9 @@ from k3_ops import reference, vllm_plugin
 
 from conftest import Sample, requires_cuda, requires_interpreter
 from test_npu_simulated import simulated_npu  # noqa: F401  (the fixture)
+from test_vllm_ascend import _ReplicatedLinear as _Proj
+from test_vllm_ascend import _RMSNorm as _Norm
+from test_vllm_ascend import define_chunk_residual_op
 
 GROUP = "vllm.general_plugins"
 LOG_MARK = "registered kimi_k3::attn_res"
@@ -464,16 +467,6 @@ needs_no_vllm = pytest.mark.skipif(
                                 "covers the real one)")
 
 
-class _Norm:
-    def __init__(self, weight, eps):
-        self.weight, self.variance_epsilon = weight, eps
-
-
-class _Proj:
-    def __init__(self, weight):
-        self.weight = weight
-
-
 def _mlp_side_call(T=4, K=2, C=3, H=64):
     args = Sample(T=T, K=K, cap=C, H=H, dtype=torch.bfloat16).make("cpu", seed=4)
     return args, _Proj(args["proj_weight"].to(torch.bfloat16)), _Norm(args["norm_weight"].to(torch.bfloat16), 1e-6)
@@ -522,8 +515,6 @@ def test_auto_patches_an_imported_module_at_once(fresh_plugin, module_tree, monk
 def test_flash_comm_step_kept_where_the_model_has_it(fresh_plugin, module_tree, monkeypatch, shape):
     """The replacement of a function that ends with the flash-comm step keeps it, reading the model's own
     ``_EXTRA_CTX`` at every call: ``maybe_chunk_residual(prefix_sum, mixed)`` only while flash-comm is on."""
-    from test_vllm_ascend import define_chunk_residual_op
-
     define_chunk_residual_op()
     module_tree(_ascend_tree(shape))
     model = importlib.import_module(ASCEND_SHAPES[shape][0])
@@ -536,13 +527,17 @@ def test_flash_comm_step_kept_where_the_model_has_it(fresh_plugin, module_tree, 
     calls = []
     lib = torch.library.Library("vllm", "IMPL")
     lib.impl("maybe_chunk_residual", lambda x, r: calls.append(x) or r * 2, "CPU")
+    keywords = dict(prefix_sum=args["prefix_sum"], block_residual=bank, norm=norm,
+                    **({"projection": proj} if shape == "release" else {"proj": proj, "num_valid_blocks": 2}))
     try:
         plain = fn(args["prefix_sum"], bank, proj, norm, *extra)
         monkeypatch.setattr(ctx, "flash_comm_v1_enabled", True)
         chunked = fn(args["prefix_sum"], bank, proj, norm, *extra)
+        by_keyword = fn(**keywords)  # the model's own parameter names
     finally:
         lib._destroy()
-    assert len(calls) == 1 and calls[0] is args["prefix_sum"] and torch.equal(chunked, plain * 2)
+    assert len(calls) == 2 and calls[0] is args["prefix_sum"] and torch.equal(chunked, plain * 2)
+    assert torch.equal(by_keyword, chunked)
 
 
 def test_already_patched_module_is_left_as_it_is(fresh_plugin, module_tree):
