@@ -512,7 +512,8 @@ int64_t recipe_count() {
 
 TORCH_LIBRARY_IMPL(kimi_k3, CUDA, m) {
   for (const char* name :
-       {"attn_res", "attn_res_backward", "fused_attn_res", "fused_attn_res.quant", "fused_attn_res_"}) {
+       {"attn_res", "attn_res_backward", "fused_attn_res", "fused_attn_res.quant", "fused_attn_res.full",
+        "fused_attn_res_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_kernel>());
   }
 }

@@ -163,7 +163,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_res_backward_autograd(
   return {outs[0], outs[1], outs[2]};
 }
 
-// --- The inference ops (fused_attn_res, fused_attn_res.quant, fused_attn_res_) ---------------------------------
+// --- The inference ops (fused_attn_res, fused_attn_res.quant, fused_attn_res.full, fused_attn_res_) ------------
 // No backward. Autograd: where autograd would have to record one (grad mode on and an input requires grad), fail
 // before anything is written instead of returning outputs that silently carry no gradient; otherwise go on below
 // autograd. ADInplaceOrView: bump the version counter of every argument the schema marks as written (Tensor(a!)),
@@ -213,13 +213,13 @@ void inference_only_inplace_or_view(const c10::OperatorHandle& op, c10::Dispatch
 TORCH_LIBRARY_IMPL(kimi_k3, Autograd, m) {
   m.impl("attn_res", &attn_res_autograd);
   m.impl("attn_res_backward", &attn_res_backward_autograd);
-  for (const char* name : {"fused_attn_res", "fused_attn_res.quant", "fused_attn_res_"}) {
+  for (const char* name : {"fused_attn_res", "fused_attn_res.quant", "fused_attn_res.full", "fused_attn_res_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&inference_only_autograd>());
   }
 }
 
 TORCH_LIBRARY_IMPL(kimi_k3, ADInplaceOrView, m) {
-  for (const char* name : {"fused_attn_res", "fused_attn_res.quant", "fused_attn_res_"}) {
+  for (const char* name : {"fused_attn_res", "fused_attn_res.quant", "fused_attn_res.full", "fused_attn_res_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&inference_only_inplace_or_view>());
   }
 }

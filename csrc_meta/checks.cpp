@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace k3_ops {
 namespace {
@@ -57,6 +59,9 @@ struct Concrete {
   // A dimension of more than one element with stride 0 (an expand()ed view): writing it would write one
   // memory location many times.
   static bool broadcast(const at::Tensor& t, int64_t d) { return t.size(d) > 1 && t.stride(d) == 0; }
+  static std::optional<int64_t> known(int64_t v) { return v; }
+  static std::optional<int64_t> stride(const at::Tensor& t, int64_t d) { return t.stride(d); }
+  static std::optional<int64_t> offset(const at::Tensor& t) { return t.storage_offset(); }
 };
 
 // Symbolic (Meta kernels under tracing): SymInts; comparisons that dynamo cannot decide without a guard on
@@ -80,6 +85,15 @@ struct Symbolic {
     const auto size = t.sym_size(d).maybe_as_int();
     return stride && *stride == 0 && size && *size > 1;
   }
+  // Values the trace knows without a guard; nullopt leaves the rule to the eager check.
+  static std::optional<int64_t> known(const c10::SymInt& v) {
+    if (auto i = v.maybe_as_int()) {
+      return *i;
+    }
+    return std::nullopt;
+  }
+  static std::optional<int64_t> stride(const at::Tensor& t, int64_t d) { return known(t.sym_stride(d)); }
+  static std::optional<int64_t> offset(const at::Tensor& t) { return known(t.sym_storage_offset()); }
 };
 
 template <typename P>
@@ -292,6 +306,144 @@ Verdict fused_attn_res_inplace_rules(const at::Tensor& prefix_sum, const c10::op
   return std::nullopt;
 }
 
+// The bytes [first, last) a tensor's elements can occupy in its storage: from its storage offset to its last
+// element (non-negative strides). nullopt where the trace does not know them without a guard, or for no elements.
+template <typename P>
+std::optional<std::pair<int64_t, int64_t>> byte_extent(const at::Tensor& t) {
+  auto lo = P::offset(t);
+  if (!lo) {
+    return std::nullopt;
+  }
+  int64_t last = *lo;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const auto size = P::known(P::size(t, d));
+    const auto stride = P::stride(t, d);
+    if (!size || !stride) {
+      return std::nullopt;
+    }
+    if (*size == 0) {
+      return std::nullopt;
+    }
+    last += (*size - 1) * *stride;
+  }
+  const int64_t item = static_cast<int64_t>(t.element_size());
+  return std::make_pair(*lo * item, (last + 1) * item);
+}
+
+// Where a 2-D [T, H] or 3-D [T, C, H] tensor of contiguous rows keeps its rows within one period of its token stride s:
+// the column ranges [start, start + H) modulo s of its rows (one per slot of a 3-D tensor). nullopt where that is not
+// known or a row is longer than s.
+template <typename P>
+std::optional<std::vector<std::pair<int64_t, int64_t>>> row_columns(const at::Tensor& t, int64_t s) {
+  if (t.dim() != 2 && t.dim() != 3) {
+    return std::nullopt;
+  }
+  const int64_t last = t.dim() - 1;
+  const auto len = P::known(P::size(t, last));
+  const auto unit = P::stride(t, last);
+  const auto offset = P::offset(t);
+  const auto slots = t.dim() == 3 ? P::known(P::size(t, 1)) : std::optional<int64_t>(1);
+  const auto slot_stride = t.dim() == 3 ? P::stride(t, 1) : std::optional<int64_t>(0);
+  if (!(len && unit && offset && slots && slot_stride) || (*len > 1 && *unit != 1) || *len > s) {
+    return std::nullopt;
+  }
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  for (int64_t c = 0; c < *slots; ++c) {
+    rows.emplace_back(((*offset + c * *slot_stride) % s + s) % s, *len);
+  }
+  return rows;
+}
+
+// Tensors of contiguous rows at one token stride s whose rows sit in different columns of s, e.g. the two halves of
+// one [T, 2 H] allocation, or a [T, H] slot beside a [T, C, H] bank in one [T, C + 1, H] allocation: their elements
+// never meet, whatever their extents. False where that is not known.
+template <typename P>
+bool side_by_side_rows(const at::Tensor& a, const at::Tensor& b) {
+  if (a.dim() < 2 || b.dim() < 2 || a.element_size() != b.element_size()) {
+    return false;
+  }
+  const auto sa = P::stride(a, 0), sb = P::stride(b, 0);
+  if (!sa || !sb || *sa != *sb || *sa <= 0) {
+    return false;
+  }
+  const int64_t s = *sa;
+  const auto ra = row_columns<P>(a, s), rb = row_columns<P>(b, s);
+  if (!ra || !rb) {
+    return false;
+  }
+  for (const auto& [a0, la] : *ra) {
+    for (const auto& [b0, lb] : *rb) {
+      // On a circle of s columns: b's row starts d after a's; they miss each other iff a ends before b starts and b
+      // ends before a starts again.
+      const int64_t d = ((b0 - a0) % s + s) % s;
+      if (d < la || d + lb > s) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Two tensors that live in one storage with intersecting byte extents, unless they are side-by-side rows (above).
+// Conservative otherwise: two interleaved views whose elements never coincide count as overlapping.
+template <typename P>
+Verdict no_shared_memory(const at::Tensor& out, const char* out_name, const at::Tensor& t, const char* name,
+                         const char* why) {
+  if (!out.has_storage() || !t.has_storage() || !out.storage().is_alias_of(t.storage())) {
+    return std::nullopt;
+  }
+  const auto a = byte_extent<P>(out);
+  const auto b = byte_extent<P>(t);
+  if (!a || !b || side_by_side_rows<P>(out, t)) {
+    return std::nullopt;
+  }
+  K3_VALUE_RULE(!(a->first < b->second && b->first < a->second), out_name, " must not share memory with ", name,
+                " (", why, "), got ", out_name, " at bytes [", a->first, ", ", a->second, ") and ", name, " at bytes [",
+                b->first, ", ", b->second, ") of one storage");
+  return std::nullopt;
+}
+
+template <typename P>
+Verdict fused_attn_res_full_rules(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                  const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                  const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                  int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                  c10::optional<double> out_norm_eps, bool return_mix, bool mix,
+                                  const c10::optional<at::Tensor>& sum_out) {
+  K3_FIRST(fused_attn_res_rules<P>(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                   eps, block_write_idx, out_norm_weight, out_norm_eps));
+  K3_VALUE_RULE(mix || !return_mix, "return_mix=True needs mix=True (with mix=False nothing is mixed), got "
+                "return_mix=True and mix=False");
+  if (out_norm_weight.has_value()) {
+    K3_VALUE_RULE(mix, "out_norm_weight needs mix=True (with mix=False there is no output to normalise), got mix=False "
+                  "and out_norm_weight of shape ", shape_of<P>(*out_norm_weight));
+  }
+  if (sum_out.has_value()) {
+    const at::Tensor& s = *sum_out;
+    K3_FIRST(like_prefix<P>(s, "sum_out", prefix_sum));
+    // Rows of H contiguous elements (the kernels store whole rows), at any token stride that keeps them apart.
+    const auto size0 = P::known(P::size(s, 0));
+    const auto size1 = P::known(P::size(s, 1));
+    const auto stride0 = P::stride(s, 0);
+    const auto stride1 = P::stride(s, 1);
+    if (size1 && stride1 && *size1 > 1) {
+      K3_VALUE_RULE(*stride1 == 1, "sum_out must have contiguous rows (sum_out.stride(1) == 1), got sum_out.stride(1)=",
+                    *stride1);
+    }
+    if (size0 && size1 && stride0 && *size0 > 1) {
+      K3_VALUE_RULE(*stride0 >= *size1, "sum_out's rows must not overlap (sum_out.stride(0) >= sum_out.size(1)=",
+                    *size1, "), got sum_out.stride(0)=", *stride0);
+    }
+    const char* why = "the new prefix is stored into sum_out while the inputs are read";
+    K3_FIRST(no_shared_memory<P>(s, "sum_out", prefix_sum, "prefix_sum", why));
+    if (addend.has_value()) {
+      K3_FIRST(no_shared_memory<P>(s, "sum_out", *addend, "addend", why));
+    }
+    K3_FIRST(no_shared_memory<P>(s, "sum_out", block_residual, "block_residual", why));
+  }
+  return std::nullopt;
+}
+
 // Trace time: raise the violation as the matching Python exception type.
 void raise(const Verdict& v) {
   if (!v) {
@@ -388,6 +540,28 @@ void check_fused_attn_res_inplace_args(const at::Tensor& prefix_sum, const c10::
   raise(fused_attn_res_inplace_rules<Symbolic>(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                                num_valid_blocks, eps, block_write_idx, out_norm_weight, out_norm_eps,
                                                out_dtype));
+}
+
+Verdict fused_attn_res_full_violation(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                      const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                      const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                      int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                      c10::optional<double> out_norm_eps, bool return_mix, bool mix,
+                                      const c10::optional<at::Tensor>& sum_out) {
+  return fused_attn_res_full_rules<Concrete>(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                             num_valid_blocks, eps, block_write_idx, out_norm_weight, out_norm_eps,
+                                             return_mix, mix, sum_out);
+}
+
+void check_fused_attn_res_full_args(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                    const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                    const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                    int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                    c10::optional<double> out_norm_eps, bool return_mix, bool mix,
+                                    const c10::optional<at::Tensor>& sum_out) {
+  raise(fused_attn_res_full_rules<Symbolic>(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                            num_valid_blocks, eps, block_write_idx, out_norm_weight, out_norm_eps,
+                                            return_mix, mix, sum_out));
 }
 
 }  // namespace k3_ops

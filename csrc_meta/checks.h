@@ -55,6 +55,15 @@ Verdict fused_attn_res_inplace_violation(const at::Tensor& prefix_sum, const c10
                                          int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
                                          c10::optional<double> out_norm_eps,
                                          c10::optional<at::ScalarType> out_dtype);
+// fused_attn_res.full: fused_attn_res's rules, the output switches (return_mix needs mix; mix=False takes no output
+// norm) and the caller's sum_out ([T, H] like prefix_sum, contiguous rows that do not overlap each other, sharing no
+// memory with prefix_sum, addend or block_residual).
+Verdict fused_attn_res_full_violation(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                      const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                      const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                      int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                      c10::optional<double> out_norm_eps, bool return_mix, bool mix,
+                                      const c10::optional<at::Tensor>& sum_out);
 
 // Trace time (Meta kernels): the same rules on symbolic sizes; raise the violation.
 void check_attn_res_args(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
@@ -78,5 +87,11 @@ void check_fused_attn_res_inplace_args(const at::Tensor& prefix_sum, const c10::
                                        const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
                                        int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
                                        c10::optional<double> out_norm_eps, c10::optional<at::ScalarType> out_dtype);
+void check_fused_attn_res_full_args(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                    const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                    const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                    int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                    c10::optional<double> out_norm_eps, bool return_mix, bool mix,
+                                    const c10::optional<at::Tensor>& sum_out);
 
 }  // namespace k3_ops

@@ -102,6 +102,24 @@ std::tuple<at::Tensor, at::Tensor> fused_attn_res_inplace_meta(
   return {out, scale};
 }
 
+// fused_attn_res.full: outputs that are not produced are empty 1-D tensors (as attn_res_backward's unrequested
+// outputs), so no memory is spent on them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attn_res_full_meta(
+    const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend, const at::Tensor& block_residual,
+    const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+    int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight, c10::optional<double> out_norm_eps,
+    bool round_mix, bool return_mix, bool mix, const c10::optional<at::Tensor>& sum_out) {
+  (void)round_mix;
+  check_fused_attn_res_full_args(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                                 block_write_idx, out_norm_weight, out_norm_eps, return_mix, mix, sum_out);
+  auto nothing = [&] { return at::empty_symint({c10::SymInt(0)}, prefix_sum.options()); };
+  // The new prefix is returned only where it exists nowhere else: prefix_sum itself without an addend, the
+  // caller's sum_out where given. block_residual and sum_out are mutated in place (Tensor(a!), Tensor(b!)).
+  at::Tensor new_prefix = addend.has_value() && !sum_out.has_value() ? new_like_prefix(prefix_sum) : nothing();
+  return {mix ? new_like_prefix(prefix_sum) : nothing(), new_prefix,
+          return_mix ? new_like_prefix(prefix_sum) : nothing()};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kimi_k3, m) {
@@ -134,6 +152,17 @@ TORCH_LIBRARY(kimi_k3, m) {
       "float? out_norm_eps=None, *, ScalarType out_dtype, bool round_mix=True) -> "
       "(Tensor out, Tensor new_prefix, Tensor scale)",
       {at::Tag::pt2_compliant_tag});
+  // Every output of the serving call, as vLLM-Ascend's fused AttnRes op offers them: with return_mix the pre-norm mix
+  // rounded to prefix_sum's dtype (what a rounded-mix output norm normalises) beside out; with sum_out the new prefix
+  // stored into the caller's [T, H] tensor; with mix=False only the add and the snapshot. An output not produced is
+  // an empty [0] tensor: out with mix=False, new_prefix without an addend (it is prefix_sum) or with sum_out, mix
+  // without return_mix. docs/fused_attn_res.md, "Every output".
+  m.def(
+      "fused_attn_res.full(Tensor prefix_sum, Tensor? addend, Tensor(a!) block_residual, Tensor norm_weight, "
+      "Tensor proj_weight, int num_valid_blocks, float eps, int block_write_idx=-1, Tensor? out_norm_weight=None, "
+      "float? out_norm_eps=None, *, bool round_mix=True, bool return_mix=False, bool mix=True, "
+      "Tensor(b!)? sum_out=None) -> (Tensor out, Tensor new_prefix, Tensor mix)",
+      {at::Tag::pt2_compliant_tag});
   // The serving call as vLLM's Kimi K3 model makes it: round(prefix_sum + addend) is stored back INTO
   // prefix_sum (the running residual, Tensor(a!)), then the snapshot (Tensor(b!)), mix, output norm and
   // optional FP8 output as above. scale is [T, 1] fp32 with an FP8 out_dtype, else an empty [0].
@@ -149,6 +178,7 @@ TORCH_LIBRARY_IMPL(kimi_k3, Meta, m) {
   m.impl("attn_res_backward", &attn_res_backward_meta);
   m.impl("fused_attn_res", &fused_attn_res_meta);
   m.impl("fused_attn_res.quant", &fused_attn_res_quant_meta);
+  m.impl("fused_attn_res.full", &fused_attn_res_full_meta);
   m.impl("fused_attn_res_", &fused_attn_res_inplace_meta);
 }
 

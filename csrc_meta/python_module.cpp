@@ -66,6 +66,17 @@ py::object check_fused_attn_res_inplace(const at::Tensor& prefix_sum, const c10:
                                                             out_norm_weight, out_norm_eps, out_dtype));
 }
 
+py::object check_fused_attn_res_full(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                     const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                     const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                     int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                     c10::optional<double> out_norm_eps, bool return_mix, bool mix,
+                                     const c10::optional<at::Tensor>& sum_out) {
+  return to_python(k3_ops::fused_attn_res_full_violation(prefix_sum, addend, block_residual, norm_weight, proj_weight,
+                                                         num_valid_blocks, eps, block_write_idx, out_norm_weight,
+                                                         out_norm_eps, return_mix, mix, sum_out));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -93,6 +104,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("addend"), py::arg("block_residual"), py::arg("norm_weight"), py::arg("proj_weight"),
         py::arg("num_valid_blocks"), py::arg("eps"), py::arg("block_write_idx"), py::arg("out_norm_weight"),
         py::arg("out_norm_eps"), py::arg("out_dtype"));
+  m.def("check_fused_attn_res_full", &check_fused_attn_res_full,
+        "First fused_attn_res.full argument rule broken, as (is_type_error, message), or None", py::arg("prefix_sum"),
+        py::arg("addend"), py::arg("block_residual"), py::arg("norm_weight"), py::arg("proj_weight"),
+        py::arg("num_valid_blocks"), py::arg("eps"), py::arg("block_write_idx"), py::arg("out_norm_weight"),
+        py::arg("out_norm_eps"), py::arg("return_mix"), py::arg("mix"), py::arg("sum_out"));
 #ifdef K3_WITH_CUDA
   // The CUDA C++ kernels (csrc_cuda/), present only in builds against a CUDA torch with a CUDA toolkit.
   k3_ops::register_cuda_functions(m);

@@ -10,7 +10,16 @@ import torch  # noqa: F401  (first: loads libtorch / libc10, which _C links agai
 
 # _C defines the kimi_k3 schemas and Meta kernels; _registration then attaches the CPU / CUDA / PrivateUse1 kernels.
 from . import _C, _registration  # noqa: F401
-from .ops import apply_attn_res, attn_res, fused_attn_res, fused_attn_res_, warmup
+from .ops import (
+    FusedAttnResOutputs,
+    apply_attn_res,
+    attn_res,
+    fused_attn_res,
+    fused_attn_res_,
+    fused_attn_res_full,
+    warmup,
+)
 
 __version__ = "0.1.0"
-__all__ = ["attn_res", "apply_attn_res", "fused_attn_res", "fused_attn_res_", "warmup", "__version__"]
+__all__ = ["attn_res", "apply_attn_res", "fused_attn_res", "fused_attn_res_", "fused_attn_res_full",
+           "FusedAttnResOutputs", "warmup", "__version__"]

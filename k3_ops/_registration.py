@@ -130,6 +130,45 @@ def _fused_attn_res_quant_npu(prefix_sum, addend, block_residual, norm_weight, p
     return npu.fused_attn_res_quant(*args, out_dtype=out_dtype, round_mix=round_mix)
 
 
+# --- fused_attn_res.full: every output of the serving call switchable (vLLM-Ascend's call forms) -----------
+def _full_args(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+               out_norm_weight, out_norm_eps, return_mix, mix, sum_out) -> tuple:
+    # Checked before anything is written (block_residual, sum_out); returns the positional arguments.
+    args = (prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+            out_norm_weight, out_norm_eps)
+    _raise(_C.check_fused_attn_res_full(*args, return_mix, mix, sum_out))
+    return args
+
+
+def _fused_attn_res_full_cpu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                             block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, round_mix=True,
+                             return_mix=False, mix=True, sum_out=None):
+    args = _full_args(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                      block_write_idx, out_norm_weight, out_norm_eps, return_mix, mix, sum_out)
+    return reference.fused_attn_res_full_reference(*args, round_mix=round_mix, return_mix=return_mix, mix=mix,
+                                                   sum_out=sum_out)
+
+
+def _fused_attn_res_full_cuda(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                              block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, round_mix=True,
+                              return_mix=False, mix=True, sum_out=None):
+    args = _full_args(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                      block_write_idx, out_norm_weight, out_norm_eps, return_mix, mix, sum_out)
+    from .backends import cuda  # lazy: importing k3_ops never imports triton
+
+    return cuda.fused_attn_res_full(*args, round_mix=round_mix, return_mix=return_mix, mix=mix, sum_out=sum_out)
+
+
+def _fused_attn_res_full_npu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                             block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, round_mix=True,
+                             return_mix=False, mix=True, sum_out=None):
+    args = _full_args(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                      block_write_idx, out_norm_weight, out_norm_eps, return_mix, mix, sum_out)
+    from .backends import npu  # lazy: importing k3_ops never imports torch_npu or triton-ascend
+
+    return npu.fused_attn_res_full(*args, round_mix=round_mix, return_mix=return_mix, mix=mix, sum_out=sum_out)
+
+
 # --- fused_attn_res_: the in-place serving call (vLLM's contract) -------------------------------------------
 def _fused_attn_res_inplace_cpu(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
                                 block_write_idx=-1, out_norm_weight=None, out_norm_eps=None, *, out_dtype=None,
@@ -174,6 +213,8 @@ def _register_inference_op(name: str, cpu, cuda, npu) -> None:
 _register_inference_op("fused_attn_res", _fused_attn_res_cpu, _fused_attn_res_cuda, _fused_attn_res_npu)
 _register_inference_op("fused_attn_res.quant", _fused_attn_res_quant_cpu, _fused_attn_res_quant_cuda,
                        _fused_attn_res_quant_npu)
+_register_inference_op("fused_attn_res.full", _fused_attn_res_full_cpu, _fused_attn_res_full_cuda,
+                       _fused_attn_res_full_npu)
 _register_inference_op("fused_attn_res_", _fused_attn_res_inplace_cpu, _fused_attn_res_inplace_cuda,
                        _fused_attn_res_inplace_npu)
 

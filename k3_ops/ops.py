@@ -1,11 +1,12 @@
 """Typed Python entry points for the kimi_k3 ops. Each is a thin call into torch.ops.kimi_k3."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-__all__ = ["attn_res", "apply_attn_res", "fused_attn_res", "fused_attn_res_", "warmup"]
+__all__ = ["attn_res", "apply_attn_res", "fused_attn_res", "fused_attn_res_", "fused_attn_res_full",
+           "FusedAttnResOutputs", "warmup"]
 
 
 def attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -122,9 +123,70 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
                                                       out_norm_eps, out_dtype=out_dtype, round_mix=round_mix)
 
 
+class FusedAttnResOutputs(NamedTuple):
+    """What :func:`fused_attn_res_full` returns; see there for which tensor each one is."""
+
+    out: torch.Tensor
+    new_prefix: torch.Tensor
+    mix: torch.Tensor
+
+
+def fused_attn_res_full(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                        norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float, *,
+                        block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                        out_norm_eps: float | None = None, round_mix: bool = True, return_mix: bool = False,
+                        mix: bool = True, sum_out: torch.Tensor | None = None) -> FusedAttnResOutputs:
+    """The serving call with every output switchable (``kimi_k3::fused_attn_res.full``): vLLM-Ascend's fused AttnRes
+    call forms (docs/fused_attn_res.md, "Every output")::
+
+        new_prefix = prefix_sum + addend                       # rounded to the I/O dtype; into sum_out if given
+        if block_write_idx >= 0:
+            block_residual[:, block_write_idx] = new_prefix    # IN PLACE: the block snapshot
+        if mix:
+            m = attn_res(new_prefix, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+            out = m if out_norm_weight is None else rms_norm(m, out_norm_weight, out_norm_eps)
+
+    Args: as :func:`fused_attn_res` (prefix_sum, addend, block_residual, weights, K, eps, block_write_idx, the output
+    norm and ``round_mix``: the norm of the mix rounded to the I/O dtype, or of the FP32 mix), plus
+        return_mix: also return the pre-norm mix rounded to prefix_sum's dtype ([T, H], contiguous): with
+            ``round_mix`` exactly the tensor the output norm normalises. Needs ``mix``.
+        mix: False: only the add and the snapshot (one launch, nothing read from the buffer): a pipeline-parallel
+            boundary. Takes no output norm and no ``return_mix``.
+        sum_out: [T, H] of prefix_sum's dtype and device, contiguous rows at any token stride, sharing no memory with
+            prefix_sum, addend or block_residual: the new prefix is stored here (mutated in place, its version counter
+            bumped); without an addend it receives a copy of prefix_sum.
+
+    Returns:
+        ``FusedAttnResOutputs(out, new_prefix, mix)``, with the aliases made explicit:
+
+        - ``new_prefix`` IS ``sum_out`` when given, IS ``prefix_sum`` when there is neither an addend nor ``sum_out``
+          (nothing is copied), else a new contiguous [T, H] tensor;
+        - ``out``: a new contiguous [T, H] tensor; with ``mix=False`` it IS ``new_prefix`` (vLLM-Ascend's op returns
+          the unmixed new prefix there as its output, a copy of the same values);
+        - ``mix``: a new contiguous [T, H] tensor with ``return_mix`` and an output norm; otherwise it IS ``out``
+          (without an output norm the pre-norm mix is ``out`` itself, without ``return_mix`` nothing else is
+          returned, as vLLM-Ascend's ``materialized``).
+
+    Inference only (see :func:`fused_attn_res`). Bad arguments raise before anything is written.
+    """
+    # Without an output norm the mix is out itself: nothing to store twice. With mix=False the op sees return_mix
+    # as given, so that it refuses the combination.
+    store_mix = return_mix and (out_norm_weight is not None or not mix)
+    out, new_prefix, mixed = torch.ops.kimi_k3.fused_attn_res.full(
+        prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,
+        out_norm_weight, out_norm_eps, round_mix=round_mix, return_mix=store_mix, mix=mix, sum_out=sum_out)
+    if sum_out is not None:
+        new_prefix = sum_out
+    elif addend is None:
+        new_prefix = prefix_sum
+    if not mix:
+        out = new_prefix
+    return FusedAttnResOutputs(out, new_prefix, mixed if store_mix else out)
+
+
 def warmup(hidden_size: int, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, *,
            max_num_valid_blocks: int = 8, max_num_tokens: int = 65536, serving: bool = False,
-           weight_dtype: torch.dtype | None = None) -> int:
+           weight_dtype: torch.dtype | None = None, full: bool = False) -> int:
     """Compile every kernel variant the launch table can pick for one model, before CUDA/NPU-graph capture.
 
     Capture must not compile or allocate: call this once per (hidden_size, dtype, device) after loading the
@@ -138,8 +200,11 @@ def warmup(hidden_size: int, dtype: torch.dtype = torch.bfloat16, device: torch.
         device: a CUDA or Ascend NPU (PrivateUse1) device; None means the current CUDA device.
         serving: CUDA: also the in-place serving call vLLM's Kimi K3 model makes (``fused_attn_res_`` with the
             FP32-mix output norm, with and without a delta and the snapshot).
-        weight_dtype: CUDA: the dtype of the norm / projection weights (part of a compile key); None compiles for
-            the I/O dtype and fp32.
+        weight_dtype: the dtype of the norm / projection weights (part of a compile key); None compiles for the
+            I/O dtype and fp32. NPU: for the ``full`` forms only (its plain forward compiles for fp32 weights).
+        full: also :func:`fused_attn_res_full`'s call forms as vLLM-Ascend's model makes them (its fused op with
+            and without an addend, snapshot and the pre-norm mix returned; the new prefix into ``sum_out`` with the
+            FP32-mix norm; ``mix=False``), on CUDA and NPU.
     Returns:
         The number of kernel configurations run (0 where nothing needs compiling).
     """
@@ -154,7 +219,9 @@ def warmup(hidden_size: int, dtype: torch.dtype = torch.bfloat16, device: torch.
         from .backends import npu as backend  # lazy: importing k3_ops never imports torch_npu / triton-ascend
     else:
         return 0  # CPU: the reference needs no compilation
-    extra = dict(serving=serving, weight_dtype=weight_dtype) if device.type == "cuda" else {}
+    extra = dict(full=full, weight_dtype=weight_dtype)
+    if device.type == "cuda":
+        extra["serving"] = serving
     return backend.warmup(hidden_size, dtype, device, max_num_valid_blocks=max_num_valid_blocks,
                           max_num_tokens=max_num_tokens, **extra)
 

@@ -28,6 +28,7 @@ __all__ = [
     "fused_attn_res_reference",
     "fused_attn_res_quant_reference",
     "fused_attn_res_inplace_reference",
+    "fused_attn_res_full_reference",
     "attn_res_backward_reference",
     "attn_res_backward_truth",
 ]
@@ -216,6 +217,55 @@ def fused_attn_res_inplace_reference(prefix_sum: torch.Tensor, addend: torch.Ten
     out, scale = _serving_output(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
                                  out_norm_weight, out_norm_eps, round_mix, out_dtype, attn_res_fn)
     return out, (prefix_sum.new_empty((0,), dtype=torch.float32) if scale is None else scale)
+
+
+def fused_attn_res_full_reference(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                                  norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int,
+                                  eps: float, block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                                  out_norm_eps: float | None = None, *, round_mix: bool = True,
+                                  return_mix: bool = False, mix: bool = True, sum_out: torch.Tensor | None = None,
+                                  attn_res_fn: Callable[..., torch.Tensor] = attn_res_reference,
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res.full: :func:`fused_attn_res_reference` with every output switchable.
+
+    The new prefix is ``prefix_sum + addend`` (torch's own add, rounded to the I/O dtype), stored into ``sum_out``
+    when given (without an addend: a copy of prefix_sum), else into a fresh tensor with an addend, else it is
+    prefix_sum itself (nothing written); then the snapshot; then, with ``mix``, the output as in
+    :func:`fused_attn_res_reference` and with ``return_mix`` the mix rounded to the I/O dtype (the tensor a rounded-mix
+    output norm normalises). Returns ``(out, new_prefix, mix)``, where an output not produced is an empty [0] tensor
+    of prefix_sum's dtype: out with ``mix=False``, new_prefix without an addend or with ``sum_out``, mix without
+    ``return_mix``. Produced outputs are new contiguous [T, H] tensors that alias nothing.
+    """
+    def nothing() -> torch.Tensor:
+        return prefix_sum.new_empty((0,))
+
+    if sum_out is not None:
+        if addend is None:
+            sum_out.copy_(prefix_sum)
+        else:
+            torch.add(prefix_sum, addend, out=sum_out)
+        new_prefix, returned_prefix = sum_out, nothing()
+    elif addend is not None:
+        new_prefix = returned_prefix = _new_prefix(prefix_sum, addend)
+    else:
+        new_prefix, returned_prefix = prefix_sum, nothing()
+    _snapshot(block_residual, block_write_idx, new_prefix)
+    if not mix:
+        return nothing(), returned_prefix, nothing()
+    norm_eps = eps if out_norm_eps is None else out_norm_eps
+    if out_norm_weight is not None and not round_mix:
+        mix_fp = attn_res_mix_reference(new_prefix, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+        out = _rms_norm(mix_fp, out_norm_weight, norm_eps).to(new_prefix.dtype)
+        rounded = mix_fp.to(new_prefix.dtype) if return_mix else None
+    else:
+        rounded = attn_res_fn(new_prefix, block_residual, norm_weight, proj_weight, num_valid_blocks, eps)
+        if out_norm_weight is None:
+            # out is the rounded mix itself; a requested mix is its own tensor (outputs never alias each other).
+            out = rounded
+            rounded = rounded.clone() if return_mix else None
+        else:
+            out = rms_norm_reference(rounded, out_norm_weight, norm_eps)
+    return out, returned_prefix, (rounded.contiguous() if return_mix else nothing())
 
 
 def attn_res_backward_reference(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,

@@ -235,7 +235,8 @@ def plan_records(api: Api) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 #: Every Triton kernel a launch policy launches, by module of k3_ops.kernels.
 KERNELS = {
-    "attn_res_fwd": ("attn_res_rows_kernel", "attn_res_split_kernel", "attn_res_npu_kernel"),
+    "attn_res_fwd": ("attn_res_rows_kernel", "attn_res_split_kernel", "attn_res_npu_kernel",
+                     "attn_res_add_snapshot_kernel"),
     "attn_res_decode": ("attn_res_token_kernel",),
     "attn_res_npu": ("attn_res_npu_single_read_kernel",),
     "attn_res_bwd": ("attn_res_bwd_kernel", "attn_res_bwd_rows_kernel", "attn_res_bwd_dw_reduce_kernel",
@@ -379,7 +380,8 @@ class Call:
 
     policy: str  # "cuda" or "npu"
     facts: str  # FACTS name (cuda); "c<cores>[-ascend][-<forced kernel>]" (npu)
-    op: str  # attn_res_forward, fused_attn_res, fused_attn_res_quant, fused_attn_res_, attn_res_backward
+    op: str  # attn_res_forward, fused_attn_res, fused_attn_res_quant, fused_attn_res_, fused_attn_res_full,
+    # attn_res_backward
     T: int
     K: int
     H: int = 7168
@@ -394,6 +396,9 @@ class Call:
     weights: str = "fp32"  # fp32, bf16, fp64, proj2d
     config: str | None = None  # a CONFIGS name (cuda forward) or a BACKWARD_CONFIGS name (cuda backward)
     mask: str = "111"
+    return_mix: bool = False  # fused_attn_res_full's options
+    sum_out: str = "none"  # none, dense ([T, H]), rows (token stride 2 H)
+    mix: bool = True
 
     @property
     def id(self) -> str:
@@ -408,6 +413,12 @@ class Call:
             flags.append(f"cfg={self.config}")
         if self.op == "attn_res_backward":
             flags.append(f"mask={self.mask}")
+        if self.return_mix:
+            flags.append("retmix")
+        if self.sum_out != "none":
+            flags.append(f"sumout={self.sum_out}")
+        if not self.mix:
+            flags.append("nomix")
         return "/".join(parts + flags)
 
 
@@ -444,6 +455,8 @@ def call_inputs(call: Call) -> dict[str, Any]:
         inputs["addend"] = _rows(T, H, dtype, layout)
     if call.norm:
         inputs["out_norm_weight"] = torch.ones(H, dtype=dtype)
+    if call.sum_out != "none":
+        inputs["sum_out"] = torch.empty((T, 2 * H) if call.sum_out == "rows" else (T, H), dtype=dtype)[:, :H]
     return inputs
 
 
@@ -467,6 +480,8 @@ def run_call(call: Call, api: Api) -> list:
             fused = (inputs["prefix_sum"], inputs.get("addend"), *plain[1:], call.K if call.write else -1,
                      inputs.get("out_norm_weight"), 1e-5 if call.norm else None)
             kw = dict(round_mix=call.round_mix)
+            if call.op == "fused_attn_res_full":
+                kw.update(return_mix=call.return_mix, mix=call.mix, sum_out=inputs.get("sum_out"))
             if call.out_dtype or call.op == "fused_attn_res_quant":
                 kw["out_dtype"] = getattr(torch, call.out_dtype) if call.out_dtype else None
             result = getattr(policy, call.op)(*fused, **kw)
@@ -556,6 +571,43 @@ def calls() -> list[Call]:
     return out
 
 
+def full_calls() -> list[Call]:
+    """The calls of fused_attn_res.full (and the in-place call without an addend on a hidden-strided prefix, which
+    is copied to unit stride as fused_attn_res's), recorded after the warmups."""
+    out: list[Call] = []
+    # (addend, write, norm, round_mix, return_mix, sum_out, mix): vLLM-Ascend's forms and the native kernels' limits.
+    forms = ((True, True, True, True, True, "none", True), (False, True, True, True, True, "none", True),
+             (False, False, True, True, False, "none", True), (True, False, True, False, False, "rows", True),
+             (True, True, True, True, False, "dense", True), (True, False, False, True, False, "rows", True),
+             (True, True, False, True, False, "none", False), (False, True, False, True, False, "none", False),
+             (True, False, False, True, False, "rows", False), (False, False, False, True, False, "none", False))
+    for facts in ("interpreter", "h100", "a100"):
+        for T in (1, 4, 64, 3000):
+            for K in (2, 6, 8):
+                for addend, write, norm, round_mix, ret, sum_out, mix in forms:
+                    out.append(Call("cuda", facts, "fused_attn_res_full", T, K, addend=addend, write=write,
+                                    norm=norm, round_mix=round_mix, return_mix=ret, sum_out=sum_out, mix=mix))
+        for T, K in ((2, 8), (64, 4)):
+            for layout in ("blockmajor", "hstrided", "offset"):
+                for addend, ret in ((True, True), (False, False)):
+                    out.append(Call("cuda", facts, "fused_attn_res_full", T, K, layout=layout, addend=addend,
+                                    write=True, norm=True, return_mix=ret))
+            out.append(Call("cuda", facts, "fused_attn_res_", T, K, layout="hstrided", write=True, norm=True))
+        out.append(Call("cuda", facts, "fused_attn_res_full", 0, 4, addend=True, norm=True, return_mix=True))
+        out.append(Call("cuda", facts, "fused_attn_res_full", 3, 2, H=64, dtype="float64", norm=True,
+                        return_mix=True))
+    for cores in ("c3", "c3-ascend", "c3-two_pass"):
+        for dtype in ("bfloat16", "float32"):
+            for T, K, H in ((1, 1, 96), (5, 4, 96), (100, 8, 7168)):
+                for addend, write, norm, round_mix, ret, sum_out, mix in forms:
+                    out.append(Call("npu", cores, "fused_attn_res_full", T, K, H=H, dtype=dtype, addend=addend,
+                                    write=write, norm=norm, round_mix=round_mix, return_mix=ret, sum_out=sum_out,
+                                    mix=mix))
+        out.append(Call("npu", cores, "fused_attn_res_full", 4, 3, H=96, layout="hstrided", norm=True,
+                        return_mix=True))
+    return out
+
+
 #: warmup calls: (policy, facts, hidden_size, dtype, max_num_valid_blocks, max_num_tokens, keyword arguments).
 WARMUPS = (
     ("cuda", "interpreter", 96, "bfloat16", 8, 1024, dict(serving=True)),
@@ -565,6 +617,12 @@ WARMUPS = (
     ("cuda", "h100", 7168, "float64", 8, 1024, {}),
     ("npu", "c3", 96, "bfloat16", 8, 1024, {}),
     ("npu", "c48", 8192, "float32", 8, 1024, {}),
+)
+#: fused_attn_res.full's warmups, recorded after the calls of ``full_calls``.
+FULL_WARMUPS = (
+    ("cuda", "h100", 7168, "bfloat16", 8, 1024, dict(fused=False, full=True, weight_dtype=torch.bfloat16)),
+    ("cuda", "interpreter", 96, "bfloat16", 4, 1024, dict(fused=False, full=True)),
+    ("npu", "c3", 96, "bfloat16", 8, 1024, dict(full=True)),
 )
 
 
@@ -585,12 +643,15 @@ def warmup_id(spec: tuple) -> str:
 
 
 def launch_ids() -> list[str]:
-    return [call.id for call in calls()] + [warmup_id(spec) for spec in WARMUPS]
+    return ([call.id for call in calls()] + [warmup_id(spec) for spec in WARMUPS]
+            + [call.id for call in full_calls()] + [warmup_id(spec) for spec in FULL_WARMUPS])
 
 
 def launch_records(api: Api) -> list[str]:
     """The digest of every call's and warmup's launches, in ``launch_ids()`` order."""
-    return [digest(run_call(call, api)) for call in calls()] + [digest(run_warmup(spec, api)) for spec in WARMUPS]
+    return ([digest(run_call(call, api)) for call in calls()] + [digest(run_warmup(spec, api)) for spec in WARMUPS]
+            + [digest(run_call(call, api)) for call in full_calls()]
+            + [digest(run_warmup(spec, api)) for spec in FULL_WARMUPS])
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 skip with a reason): what a K3 deployment actually exercises.
 
 - Plugin load through vLLM's own loader (``vllm.plugins.load_general_plugins``, fresh processes): the ops register,
-  the INFO line shows in vLLM's output, ``K3_OPS_PATCH_ATTN_RES`` patches the real model modules
-  (``vllm.models.kimi_k3.nvidia.model.attn_res``, ``vllm.models.kimi_k3.amd.linear._apply_attn_res``), and a typo
-  in it logs an error and leaves the process alive.
+  the INFO line shows in vLLM's output, ``K3_OPS_PATCH_ATTN_RES`` (a module, or ``auto``) patches the real model
+  modules (``vllm.models.kimi_k3.nvidia.model.attn_res``, ``vllm.models.kimi_k3.amd.linear._apply_attn_res``) and
+  points vLLM's AttnRes warmup at k3_ops; a typo, a relative name or a package that raises on import is logged and
+  the process lives on; naming the kernel module the model bound at import is warned about.
 - Both drop-ins against vLLM's own Kimi K3 Triton kernels (``nvidia/ops/attn_res.py``, ``amd/ops/attn_res.py``;
   run on CPU tensors by the Triton interpreter, like k3_ops's), over the model's call forms: K = 0..3 and 8, with
   and without delta, snapshot and output norm, FP8 on and off. prefix and blocks bit-equal; outputs within FP32
@@ -75,23 +76,27 @@ _CHILD = textwrap.dedent("""
     result = {"ops": hasattr(torch.ops, "kimi_k3") and hasattr(torch.ops.kimi_k3, "fused_attn_res_")}
     if "k3_ops" in sys.modules:
         result["k3_ops"] = sys.modules["k3_ops"].__file__
-    target = os.environ.get("CHECK_MODULE")
-    if target:
+    for target in filter(None, os.environ.get("CHECK_MODULE", "").split(",")):
         import k3_ops.vllm_plugin as plugin
         module = importlib.import_module(target)
-        result["attn_res"] = getattr(module, "attn_res", None) is plugin.attn_res
-        result["_apply_attn_res"] = getattr(module, "_apply_attn_res", None) is plugin.apply_attn_res_vllm
+        result.setdefault("attn_res", {})[target] = getattr(module, "attn_res", None) is plugin.attn_res
+        result.setdefault("_apply_attn_res", {})[target] = (getattr(module, "_apply_attn_res", None)
+                                                           is plugin.apply_attn_res_vllm)
+    if os.environ.get("CHECK_WARMUP") == "1":
+        import k3_ops.vllm_plugin as plugin
+        from vllm.model_executor.warmup import kimi_k3_triton_warmup
+        result["warmup"] = kimi_k3_triton_warmup._warm_attn_res is plugin.warm_attn_res
     print("RESULT " + json.dumps(result))
 """)
 
 
-def _load_plugins(**env) -> tuple[dict, str]:
+def _load_plugins(cwd: str | None = None, **env) -> tuple[dict, str]:
     full = {**os.environ, "VLLM_PLUGINS": "k3_ops", "CHECK_CONFIGURED_LOGGING": "1", **env}
     full.pop("K3_OPS_PATCH_APPLY_ATTN_RES", None)
     # Run outside the source tree: `python -c` puts the working directory first on sys.path, where the tree's own
     # k3_ops (built for another torch) would shadow the k3_ops installed next to vLLM, which the plugin must be.
     p = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=full, timeout=600,
-                       cwd=tempfile.gettempdir())
+                       cwd=cwd or tempfile.gettempdir())
     output = p.stdout + p.stderr
     assert p.returncode == 0, output
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
@@ -105,10 +110,20 @@ def _load_plugins(**env) -> tuple[dict, str]:
                          ids=["nvidia-model", "amd-linear"])
 def test_vllm_loader_registers_and_patches(module: str, attribute: str):
     result, output = _load_plugins(K3_OPS_PATCH_ATTN_RES=module, CHECK_MODULE=module)
-    assert result["ops"] and result[attribute], output
+    assert result["ops"] and result[attribute][module], output
     # vLLM's logging shows the plugin's line (a child of its "vllm" logger), once per process.
     assert output.count("k3_ops 0.1.0: registered kimi_k3::attn_res") == 1, output
     assert f"patched {module}.{attribute}" in output, output
+
+
+def test_auto_patches_both_model_modules_and_the_warmup():
+    """auto without vLLM-Ascend: vLLM's nvidia model (imported by vLLM's own kimi_k3 package on this platform:
+    patched at once) and amd/linear.py (patched when imported), and vLLM's AttnRes warmup redirected to k3_ops."""
+    result, output = _load_plugins(K3_OPS_PATCH_ATTN_RES="auto", CHECK_MODULE=f"{NVIDIA_MODEL},{AMD_LINEAR}",
+                                   CHECK_WARMUP="1")
+    assert result["attn_res"][NVIDIA_MODEL] and result["_apply_attn_res"][AMD_LINEAR], output
+    assert result["warmup"], output
+    assert f"patched {NVIDIA_MODEL}.attn_res" in output and f"patched {AMD_LINEAR}._apply_attn_res" in output, output
 
 
 @pytest.mark.parametrize("configured", ["1", "0"], ids=["engine-core-order", "front-end-order"])
@@ -118,11 +133,37 @@ def test_vllm_loader_survives_a_typo(configured: str):
     handler too; an INFO line does not, which is why the front-end process never shows the registration line)."""
     result, output = _load_plugins(K3_OPS_PATCH_ATTN_RES="vllm.models.kimi_k3.nvidia.modle", CHECK_MODULE=NVIDIA_MODEL,
                                    CHECK_CONFIGURED_LOGGING=configured)
-    assert result["ops"] and not result["attn_res"], output
+    assert result["ops"] and not result["attn_res"][NVIDIA_MODEL], output
     assert "vllm.models.kimi_k3.nvidia.modle" in output and "K3_OPS_PATCH_ATTN_RES" in output, output
     assert "ERROR" in output or configured == "0", output
     result, output = _load_plugins(K3_OPS_PATCH_ATTN_RES="vllm.envs", CHECK_MODULE=NVIDIA_MODEL)
-    assert "defines neither _apply_attn_res nor attn_res" in output, output
+    assert "which defines none of _apply_attn_res, attn_res" in output, output
+
+
+@pytest.mark.parametrize("setting, message", [
+    (".model", "names '.model', a relative module name"),
+    ("k3fake_raises.model", "names module 'k3fake_raises.model', which cannot be imported (RuntimeError: broken"),
+], ids=["relative", "raises-on-import"])
+def test_vllm_loader_survives_settings_that_once_ended_it(setting: str, message: str, tmp_path):
+    """The two settings that ended the engine process through vLLM's loader: a relative name (a TypeError out of
+    importlib) and a module whose package raises on import. Both are logged; the process goes on, ops registered."""
+    (tmp_path / "k3fake_raises").mkdir()
+    (tmp_path / "k3fake_raises" / "__init__.py").write_text("raise RuntimeError('broken package')\n")
+    result, output = _load_plugins(cwd=str(tmp_path), K3_OPS_PATCH_ATTN_RES=setting, CHECK_MODULE=NVIDIA_MODEL,
+                                   PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path),
+                                                                            os.environ.get("PYTHONPATH")])))
+    assert result["ops"] and not result["attn_res"][NVIDIA_MODEL], output
+    assert message in output, output
+
+
+def test_vllm_loader_warns_about_the_kernel_module():
+    """nvidia/ops/attn_res.py named: nvidia/model.py bound attn_res at import, so the model keeps vLLM's kernel; the
+    warning names the module to patch."""
+    result, output = _load_plugins(K3_OPS_PATCH_ATTN_RES="vllm.models.kimi_k3.nvidia.ops.attn_res",
+                                   CHECK_MODULE=NVIDIA_MODEL)
+    assert not result["attn_res"][NVIDIA_MODEL], output
+    assert ("names vllm.models.kimi_k3.nvidia.ops.attn_res, which the Kimi K3 model does not call at run time: "
+            f"{NVIDIA_MODEL} binds its function at import") in output, output
 
 
 def test_vllm_plugins_filter_leaves_k3_ops_out():
@@ -202,7 +243,7 @@ def k3_path(request):
         return lambda *args, **kwargs: (calls.append(fn.__name__), fn(*args, **kwargs))[1]
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         lib.impl("attn_res", counted(_registration._attn_res_cuda), "CPU")
         lib.impl("fused_attn_res_", counted(_registration._fused_attn_res_inplace_cuda), "CPU")
     try:

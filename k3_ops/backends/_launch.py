@@ -230,7 +230,9 @@ def record_call(fn, args: tuple, kwargs: dict, record: bool):
         with _lock:
             _recording -= 1
     outputs = result if isinstance(result, tuple) else (result,)
-    recipe = rec.recipe(args, outputs) if direct_launch_supported() else None
+    # The inputs by schema position: the C++ kernel passes the keyword-only arguments (fused_attn_res.full's sum_out)
+    # in schema order after the positional ones.
+    recipe = rec.recipe((*args, *kwargs.values()), outputs) if direct_launch_supported() else None
     knobs = None
     if recipe is not None:
         import triton

@@ -4,12 +4,13 @@ how CI tests this policy without a GPU).
 Every call goes one way:
 
 1. the cases that launch no kernel (fp64, T = 0, K = 0: backends/__init__.py, _fused.py, _backward.py);
-2. the outputs (``FusedArgs.allocate`` for the fused calls);
+2. the outputs (``FusedArgs.allocate`` for the fused calls, ``allocate_full`` for fused_attn_res.full);
 3. the plan: ``choose_config`` (the launch table's plan, cached per (T bucket, K, H, device)), ``serving_config``
    (the serving calls'), ``choose_backward_plan``; each runs the pure plan step of cuda_plan.py on the device's
    ``DeviceFacts``;
 4. the launch: ``launch_forward`` (a native kernel's C++ entry, or the plan's Triton kernel through
-   ``_launch.launch``) or ``_backward.run_attn_res_backward``.
+   ``_launch.launch``), ``launch_add_snapshot`` (fused_attn_res.full with mix=False: no plan, one program per token)
+   or ``_backward.run_attn_res_backward``.
 
 In a CUDA build of k3_ops._C the op's CUDA kernel is C++ (csrc_cuda/launch_cache.cpp): it replays the launches this
 policy recorded for the call's metadata, and runs this module only on the first call of each key and for calls it
@@ -34,9 +35,20 @@ import torch
 from .. import reference
 from ..kernels import attn_res_decode as _decode
 from ..kernels import attn_res_fwd as _fwd
-from . import _backward, _launch, cuda_plan, prepare_weights, trivial_attn_res
+from . import TRITON_COMPILE_OPTIONS, _backward, _launch, cuda_plan, prepare_weights, trivial_attn_res
 from ._forward import kernel_arguments
-from ._fused import FusedArgs, kernel_output, trivial_fused_attn_res, trivial_serving_call
+from ._fused import (
+    ADD_SNAPSHOT_FORMS,
+    FULL_FORMS,
+    FusedArgs,
+    add_snapshot_args,
+    add_snapshot_outputs,
+    full_outputs,
+    kernel_output,
+    trivial_full_call,
+    trivial_fused_attn_res,
+    trivial_serving_call,
+)
 from .cuda_plan import (
     BACKWARD_CONFIG,
     BACKWARD_KERNEL_DEFAULTS,
@@ -73,8 +85,11 @@ __all__ = [
     "fused_attn_res",
     "fused_attn_res_quant",
     "fused_attn_res_",
+    "fused_attn_res_full",
     "attn_res_backward",
     "warmup",
+    "FULL_FORMS",
+    "ADD_SNAPSHOT_FORMS",
     # The device and the plans of this process.
     "use_interpreter",
     "num_sms",
@@ -90,6 +105,7 @@ __all__ = [
     "clear_plan_cache",
     # The launch step.
     "launch_forward",
+    "launch_add_snapshot",
     # From the plan modules, for benchmarks and tools.
     "LaunchConfig",
     "LAUNCH_TABLE",
@@ -400,6 +416,41 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
     return out, fused.scale if fused.scale is not None else out.new_empty((0,), dtype=torch.float32)
 
 
+def fused_attn_res_full(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                        norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                        block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                        out_norm_eps: float | None = None, *, round_mix: bool = True, return_mix: bool = False,
+                        mix: bool = True, sum_out: torch.Tensor | None = None, config: LaunchConfig | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res.full on CUDA tensors (or CPU tensors under the Triton interpreter); arguments already
+    checked by ``k3_ops._C.check_fused_attn_res_full``. Returns ``(out, new_prefix, mix)``, each output not produced
+    an empty [0] tensor; writes ``block_residual[:, block_write_idx]`` (>= 0) and ``sum_out`` (given), nothing else.
+
+    One launch: the table's plan for the calls fused_attn_res makes (an addend, the new prefix into a fresh tensor
+    or ``sum_out``, the rounded-mix norm), so their ``out`` is fused_attn_res's bit for bit; the serving plan
+    (``serving_config``) for those only the serving flags serve: the new prefix kept in prefix_sum (no addend), the
+    FP32-mix norm, ``return_mix``. The native cluster / stream kernels store no mix and new prefixes only at token
+    stride H: such calls run their plan's Triton fallback (``native_layout_ok``). ``mix=False``:
+    ``attn_res_add_snapshot_kernel`` (no launch without an addend, ``sum_out`` or snapshot). fp64 and T = 0 run the
+    reference composition. config: as for ``attn_res_forward``.
+    """
+    trivial = trivial_full_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                                block_write_idx, out_norm_weight, out_norm_eps, round_mix=round_mix,
+                                return_mix=return_mix, mix=mix, sum_out=sum_out, attn_res_fn=attn_res_forward)
+    if trivial is not None:
+        return trivial
+    if not mix:
+        target, new_prefix = add_snapshot_outputs(prefix_sum, addend, sum_out)
+        launch_add_snapshot(prefix_sum, addend, target, block_residual, block_write_idx)
+        return full_outputs(None, prefix_sum, None, new_prefix)
+    fused, out = FusedArgs.allocate_full(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                         eps if out_norm_eps is None else out_norm_eps, round_mix=round_mix,
+                                         return_mix=return_mix, sum_out=sum_out)
+    _launch_fused(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out,
+                  fused.serving, config)
+    return full_outputs(fused, prefix_sum, out, None if sum_out is not None else fused.new_prefix)
+
+
 def _launch_fused(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
                   proj_weight: torch.Tensor, K: int, eps: float, fused: FusedArgs, out: torch.Tensor, serving: bool,
                   config: LaunchConfig | None) -> None:
@@ -469,10 +520,12 @@ def launch_forward(plan: Plan, prefix_sum: torch.Tensor, block_residual: torch.T
             return
         plan = plan.fallback
     T, H = prefix_sum.shape
-    if H > 1 and prefix_sum.stride(1) != 1 and plan.kernel in ("token", "rows") and not (fused and fused.inplace):
+    if (H > 1 and prefix_sum.stride(1) != 1 and plan.kernel in ("token", "rows")
+            and not (fused and fused.inplace and fused.addend is not None)):
         # A hidden-strided prefix row is copied (a [T, H] copy) so that the kernel reads it with the unit-stride
         # layout: the strided variant would reduce in another order and give other bits than the same values
-        # passed contiguously. Not for the in-place serving call, which must store into the caller's prefix.
+        # passed contiguously. Not for the in-place serving call with an addend, which must store into the caller's
+        # prefix (without one it stores nothing there).
         _launch.unrecordable()  # the copy is device work outside the recorded launches
         prefix_sum = prefix_sum.contiguous()
     args, runtime, flags, vec, h_strided = kernel_arguments(prefix_sum, block_residual, nw, pw, out, K, eps, fused)
@@ -531,12 +584,32 @@ def _launch_native(plan: Plan, prefix_sum, block_residual, nw, pw, out, K: int, 
                                     plan.pdl, bool(flags[1]), bool(flags[2]), flags[3], bool(flags[4]), floats[3])
 
 
+def launch_add_snapshot(prefix_sum: torch.Tensor, addend: torch.Tensor | None, new_prefix: torch.Tensor | None,
+                        block_residual: torch.Tensor, block_write_idx: int) -> None:
+    """fused_attn_res.full with mix=False: ``attn_res_add_snapshot_kernel`` stores round(prefix_sum + addend) (or
+    prefix_sum) into ``new_prefix`` (None: nowhere) and ``block_residual[:, block_write_idx]`` (>= 0); no launch
+    when there is nothing to write. One program per token (a row of H elements is a few KB: the grid, not the
+    program, carries the bandwidth). Launched without PDL: it waits for its predecessor as any launch does, and a
+    PDL successor's gdc_wait waits for its completion (it never triggers its dependents early)."""
+    if new_prefix is None and block_write_idx < 0:
+        return  # nothing to write: the new prefix is prefix_sum itself
+    args, runtime, flags = add_snapshot_args(prefix_sum, addend, new_prefix, block_residual, block_write_idx, 1)
+    key = ("add_snapshot", *flags.items())
+
+    def constexprs() -> dict:
+        return dict(flags, num_warps=4, **TRITON_COMPILE_OPTIONS)
+
+    with _device_guard(prefix_sum):
+        _launch.launch(_fwd.attn_res_add_snapshot_kernel, (prefix_sum.size(0),), args, runtime, key, constexprs,
+                       ntensors=2, interpreted=use_interpreter(prefix_sum), stream=_stream(prefix_sum))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Warm-up: compile every key the table can pick (before CUDA-graph capture).
 # --------------------------------------------------------------------------------------------------------------
 def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
            max_num_valid_blocks: int = 8, max_num_tokens: int = 65536, fused: bool = True, serving: bool = False,
-           weight_dtype: torch.dtype | None = None) -> int:
+           weight_dtype: torch.dtype | None = None, full: bool = False) -> int:
     """Compile every launch-table key for one model before CUDA-graph capture; returns the number of plans run.
 
     Each distinct plan (compile key) that the table can pick for T in 1..max_num_tokens and K in
@@ -548,7 +621,8 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
     ``fused=True`` also compiles each plan's fused_attn_res variants that a Kimi K3 decoder layer uses (residual
     addend and output RMSNorm, with and without the block snapshot). ``serving=True`` also compiles the in-place
     serving call vLLM's Kimi K3 model makes (fused_attn_res_ with and without a delta, with and without the
-    snapshot, the output norm of the FP32 mix; no FP8 output). ``weight_dtype``: the dtype of the norm and
+    snapshot, the output norm of the FP32 mix; no FP8 output). ``full=True`` also compiles fused_attn_res.full's
+    call forms (``FULL_FORMS``, ``ADD_SNAPSHOT_FORMS``: vLLM-Ascend's). ``weight_dtype``: the dtype of the norm and
     projection weights (a pointer's dtype is part of a compile key); None compiles for the I/O dtype and fp32.
     Other flag combinations compile on first use, outside capture.
     """
@@ -588,6 +662,25 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
                                 args, out = FusedArgs.allocate(target, addend, write_idx, w, 1e-6, inplace=True,
                                                                round_mix=False)
                                 launch_forward(p, target, spare, w, w, kernel_output(out), K, 1e-6, args)
+                if full:
+                    _warmup_full(plan, K, H, facts, prefix, spare, w)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(plans)
+
+
+def _warmup_full(plan: Plan, K: int, H: int, facts: DeviceFacts, prefix: torch.Tensor, spare: torch.Tensor,
+                 w: torch.Tensor) -> None:
+    # Each form on the plan fused_attn_res_full would take (the serving plan where the form has a serving flag) and
+    # on that plan's fallback (the calls a native kernel leaves to it), then the add-and-snapshot kernel.
+    for addend, write, norm, round_mix, ret, into in FULL_FORMS:
+        sum_out = torch.empty_like(prefix) if into else None
+        args, out = FusedArgs.allocate_full(prefix, prefix if addend else None, K if write else -1,
+                                            w if norm else None, 1e-6, round_mix=round_mix, return_mix=ret,
+                                            sum_out=sum_out)
+        base = cuda_plan.serving_plan(plan, K, H, facts) if args.serving else plan
+        for p in (base,) if base.fallback is None else (base, base.fallback):
+            launch_forward(p, prefix, spare, w, w, out, K, 1e-6, args)
+    for addend, write in ADD_SNAPSHOT_FORMS:
+        launch_add_snapshot(prefix, prefix if addend else None, torch.empty_like(prefix) if addend else None, spare,
+                            K if write else -1)

@@ -289,11 +289,14 @@ def native_layout_ok(prefix_sum: torch.Tensor, block_residual: torch.Tensor, nw:
                      out: torch.Tensor, fused) -> bool:
     """Whether a native (cluster, stream) plan runs this call itself: 16-bit rows, an addend of the I/O dtype, and
     16-byte vectors everywhere (unit hidden strides; pointers, token and block strides on 16-byte boundaries), so that
-    a fused call's mix is the plain op's and an FP8 output the quantised output of the same call, bit for bit. Other
-    calls run the plan's fallback."""
+    a fused call's mix is the plain op's and an FP8 output the quantised output of the same call, bit for bit. Not
+    fused_attn_res.full's rounded-mix output (``mix_out``) nor a new prefix into rows of another token stride than H
+    (its ``sum_out``): the native kernels have neither. Other calls run the plan's fallback."""
     if prefix_sum.element_size() != 2:
         return False
-    if fused is not None and fused.addend is not None and fused.addend.dtype != prefix_sum.dtype:
+    if fused is not None and (
+            (fused.addend is not None and fused.addend.dtype != prefix_sum.dtype) or fused.mix_out is not None
+            or (fused.new_prefix is not None and not fused.new_prefix.is_contiguous())):
         return False
     weights = (nw, pw) if fused is None or fused.out_norm_weight is None else (nw, pw, fused.out_norm_weight)
     if any(w.data_ptr() % 16 for w in weights):

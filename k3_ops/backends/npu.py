@@ -1,9 +1,9 @@
 """Ascend NPU launch policy (PrivateUse1, ``torch_npu`` + triton-ascend): the kimi_k3 ops on NPU tensors.
 
 Every call goes one way: the cases that launch no kernel (fp64, T = 0, K = 0) -> the outputs (``FusedArgs``) -> the
-plan (npu_plan.py, on this device's vector-core count and launch options) -> the launch (``launch_forward``, or
-``_backward.run_attn_res_backward``). The plans, the tiles' Unified Buffer budgets and the cost model are in
-npu_plan.py.
+plan (npu_plan.py, on this device's vector-core count and launch options) -> the launch (``launch_forward``,
+``launch_add_snapshot`` for fused_attn_res.full with mix=False, or ``_backward.run_attn_res_backward``). The plans,
+the tiles' Unified Buffer budgets and the cost model are in npu_plan.py.
 
 Importing this module imports triton (triton-ascend on an Ascend host) but never torch_npu: the device properties are
 read through triton-ascend's driver first, torch_npu second, both lazily. With torch_npu installed but no Ascend
@@ -31,7 +31,18 @@ from ..kernels import attn_res_fwd as _fwd
 from ..kernels import attn_res_npu as _npu_kernels
 from . import TRITON_COMPILE_OPTIONS, BackwardPlan, _backward, npu_plan, prepare_weights, trivial_attn_res
 from ._forward import kernel_arguments
-from ._fused import FusedArgs, kernel_output, trivial_fused_attn_res, trivial_serving_call
+from ._fused import (
+    ADD_SNAPSHOT_FORMS,
+    FULL_FORMS,
+    FusedArgs,
+    add_snapshot_args,
+    add_snapshot_outputs,
+    full_outputs,
+    kernel_output,
+    trivial_full_call,
+    trivial_fused_attn_res,
+    trivial_serving_call,
+)
 from .npu_plan import (
     FALLBACK_NUM_VECTOR_CORES,
     SINGLE_READ_CHUNK,
@@ -48,6 +59,7 @@ __all__ = [
     "fused_attn_res",
     "fused_attn_res_quant",
     "fused_attn_res_",
+    "fused_attn_res_full",
     "attn_res_backward",
     "warmup",
     # The device and its plans.
@@ -63,6 +75,7 @@ __all__ = [
     "backward_plan",
     # The launch step.
     "launch_forward",
+    "launch_add_snapshot",
     # From npu_plan.py.
     "FALLBACK_NUM_VECTOR_CORES",
     "UB_BUDGET_BYTES",
@@ -293,6 +306,39 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
     return out, fused.scale if fused.scale is not None else out.new_empty((0,), dtype=torch.float32)
 
 
+def fused_attn_res_full(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
+                        norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float,
+                        block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
+                        out_norm_eps: float | None = None, *, round_mix: bool = True, return_mix: bool = False,
+                        mix: bool = True, sum_out: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kimi_k3::fused_attn_res.full on Ascend NPU (PrivateUse1) tensors (arguments already checked by
+    ``k3_ops._C.check_fused_attn_res_full``). Returns ``(out, new_prefix, mix)``, each output not produced an empty
+    [0] tensor. Every form is one launch: the ``forward_plan`` kernel with its fused and serving flags (the new
+    prefix into ``sum_out`` or, without an addend, nowhere; the rounded mix stored beside the output with
+    ``return_mix``: single-read from the row in the tile, two-pass chunk by chunk in pass 2), or with ``mix=False``
+    ``attn_res_add_snapshot_kernel`` over the same grid (no launch without an addend, ``sum_out`` or snapshot).
+    fp64 and T = 0 run the reference composition.
+    """
+    trivial = trivial_full_call(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                                block_write_idx, out_norm_weight, out_norm_eps, round_mix=round_mix,
+                                return_mix=return_mix, mix=mix, sum_out=sum_out, attn_res_fn=attn_res_forward)
+    if trivial is not None:
+        return trivial
+    if not mix:
+        target, new_prefix = add_snapshot_outputs(prefix_sum, addend, sum_out)
+        if target is not None or block_write_idx >= 0:
+            launch_add_snapshot(raw(prefix_sum), None if addend is None else raw(addend),
+                                None if target is None else raw(target), raw(block_residual), block_write_idx,
+                                num_vector_cores(prefix_sum.device))
+        return full_outputs(None, prefix_sum, None, new_prefix)
+    fused, out = FusedArgs.allocate_full(prefix_sum, addend, block_write_idx, out_norm_weight,
+                                         eps if out_norm_eps is None else out_norm_eps, round_mix=round_mix,
+                                         return_mix=return_mix, sum_out=sum_out)
+    _launch_fused(prefix_sum, block_residual, norm_weight, proj_weight, int(num_valid_blocks), eps, fused, out)
+    return full_outputs(fused, prefix_sum, out, None if sum_out is not None else fused.new_prefix)
+
+
 def _launch_fused(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
                   proj_weight: torch.Tensor, K: int, eps: float, fused: FusedArgs, out: torch.Tensor) -> None:
     # The plan and the launch of a fused call. The two-pass kernel keeps the FP32-mix norm's and the FP8 output's
@@ -354,15 +400,28 @@ def launch_forward(plan: ForwardPlan, prefix_sum, block_residual, nw, pw, out, K
                         **flags, **launch_options(), **compile_options())
 
 
+def launch_add_snapshot(prefix_sum, addend, new_prefix, block_residual, block_write_idx: int, cores: int) -> None:
+    """fused_attn_res.full with mix=False on the tensors handed to Triton: ``attn_res_add_snapshot_kernel`` over the
+    forward's grid (one program per vector core, each a contiguous token range), storing the new prefix into
+    ``new_prefix`` (None: nowhere) and ``block_residual[:, block_write_idx]`` (>= 0)."""
+    programs, tokens_per_prog = npu_plan.forward_grid(prefix_sum.size(0), cores)
+    args, runtime, flags = add_snapshot_args(prefix_sum, addend, new_prefix, block_residual, block_write_idx,
+                                             tokens_per_prog)
+    _fwd.attn_res_add_snapshot_kernel[(programs,)](*args, **runtime, **flags, **launch_options(), **compile_options())
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Warm-up.
 # --------------------------------------------------------------------------------------------------------------
 def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
-           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536) -> int:
+           max_num_valid_blocks: int = 8, max_num_tokens: int = 65536, full: bool = False,
+           weight_dtype: torch.dtype | None = None) -> int:
     """Compile every NPU forward compile key for one model (one per distinct ``forward_plan`` for K in
     1..max_num_valid_blocks: one single-read kernel, or one two-pass kernel per K_PAD) before graph capture;
     returns the number of launches. ``max_num_tokens`` is accepted for symmetry with the CUDA backend: the token
-    count never enters a compile key here."""
+    count never enters a compile key here. ``full=True`` also compiles fused_attn_res.full's call forms
+    (vLLM-Ascend's: ``FULL_FORMS`` and ``ADD_SNAPSHOT_FORMS`` of backends/_fused.py) with weights of
+    ``weight_dtype`` (None: the I/O dtype and fp32; the plain forward keeps its fp32 weights)."""
     del max_num_tokens
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return 0
@@ -377,4 +436,22 @@ def warmup(hidden_size: int, dtype: torch.dtype, device: torch.device | str | No
             prefix = torch.zeros((1, H), dtype=dtype, device=device)
             blocks = torch.zeros((1, K, H), dtype=dtype, device=device)
             attn_res_forward(prefix, blocks, w, w, K, 1e-6)
+        if full:
+            _warmup_full(plans, H, dtype, device, weight_dtype)
     return len(plans)
+
+
+def _warmup_full(plans: dict[ForwardPlan, int], H: int, dtype: torch.dtype, device: torch.device,
+                 weight_dtype: torch.dtype | None) -> None:
+    for wdtype in [weight_dtype] if weight_dtype is not None else list(dict.fromkeys([dtype, torch.float32])):
+        w = torch.ones(H, dtype=wdtype, device=device)
+        for K in plans.values():
+            prefix = torch.zeros((1, H), dtype=dtype, device=device)
+            spare = torch.zeros((1, K + 1, H), dtype=dtype, device=device)
+            for addend, write, norm, round_mix, ret, into in FULL_FORMS:
+                fused_attn_res_full(prefix, prefix if addend else None, spare, w, w, K, 1e-6, K if write else -1,
+                                    w if norm else None, None, round_mix=round_mix, return_mix=ret,
+                                    sum_out=torch.empty_like(prefix) if into else None)
+            for addend, write in ADD_SNAPSHOT_FORMS:
+                fused_attn_res_full(prefix, prefix if addend else None, spare, w, w, K, 1e-6, K if write else -1,
+                                    mix=False)

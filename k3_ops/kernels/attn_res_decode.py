@@ -64,6 +64,7 @@ from .attn_res_fwd import (
     _serving_epilogue,
     _serving_row_out,
     _stats,
+    _store_mix,
     _store_new_prefix,
     _store_out,
     _store_snapshot,
@@ -230,7 +231,7 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                           FP8_MAX: tl.constexpr = 448.0, ONW_AHEAD: tl.constexpr = False,
                           ONE_TILE: tl.constexpr = False, PREFIX_FIRST: tl.constexpr = False,
                           NORM_GRAM: tl.constexpr = False, GRAM_TAU: tl.constexpr = 0.015625,
-                          H_EXACT: tl.constexpr = 0):
+                          H_EXACT: tl.constexpr = 0, mix_ptr=None, MIX_OUT: tl.constexpr = False):
     if H_EXACT > 0:
         # The hidden size as a compile-time constant (the launch passes it; one compile per model): the column
         # mask is then known per register wherever a whole register's columns lie past H, so their loads, their
@@ -377,6 +378,7 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
                                   SNAPSHOT, INPLACE_PREFIX)
         if not PREFIX_FIRST:
             mix = tl.where(K == 0, v.to(tl.float32), mix)
+        _store_mix(mix_ptr, t, cols, hmask, mix, stride_ot, VEC, MIX_OUT)
         x = _norm_input(mix, hmask, prefix_ptr, NORM_FP32_MIX)
         scale = _norm_scale(_norm_sum_sq(x, gram_ss, gram_ok, NORM_GRAM), H, out_eps, REFINED=True)
         _store_out(out_ptr, t, cols, hmask, x * scale * g, stride_ot, VEC)
@@ -387,13 +389,14 @@ def attn_res_token_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K,
             mix = tl.where(K == 0, v.to(tl.float32), mix)
         _serving_row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC,
                          OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, False, gram_ss, gram_ok, NORM_GRAM,
-                         REFINED=True)
+                         REFINED=True, mix_ptr=mix_ptr, MIX_OUT=MIX_OUT)
     elif FUSED:
         # The rows kernel's epilogue: new_prefix (or, INPLACE_PREFIX, prefix itself: this program read its row
         # above and no other program touches it), the snapshot, the output norm and the FP8 output.
         _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_ptr, t, cols, hmask, mix, v, K,
                           H, out_eps, stride_ot, stride_nt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh,
                           write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT, OUT_NORM, INPLACE_PREFIX, NORM_FP32_MIX,
-                          FP8_OUT, FP8_FNUZ, FP8_MAX, gram_ss, gram_ok, NORM_GRAM, REFINED=True)
+                          FP8_OUT, FP8_FNUZ, FP8_MAX, gram_ss, gram_ok, NORM_GRAM, REFINED=True, mix_ptr=mix_ptr,
+                          MIX_OUT=MIX_OUT)
     else:
         _store_out(out_ptr, t, cols, hmask, mix, stride_ot, VEC)

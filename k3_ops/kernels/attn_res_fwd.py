@@ -34,6 +34,10 @@ default to None, which Triton specialises away):
 - ``FUSED``: write that prefix candidate (``new_prefix``, a new contiguous [T, H]) once per token.
 - ``SNAPSHOT``: also write it into ``blocks[t, write_idx]`` (runtime index, a slot >= K: never read here).
 - ``OUT_NORM``: the output is rms_norm(round_to_dtype(mix)) in FP32 with ``onw_ptr`` and ``out_eps``.
+
+The serving calls' further flags (INPLACE_PREFIX, NORM_FP32_MIX, FP8_OUT, MIX_OUT) are described with their helpers
+below. ``attn_res_add_snapshot_kernel`` (end of this module) is fused_attn_res.full's ``mix=False`` call: the add and
+the snapshot alone, on CUDA and Ascend alike.
 """
 from __future__ import annotations
 
@@ -268,7 +272,8 @@ def _apply_out_norm(x, scale, onw_ptr, cols, mask):
 #   _fp8_bits(y, scale, FP8_MAX, FNUZ)  q = clamp(div_rn(y, scale), -FP8_MAX, FP8_MAX) as e4m3 bit patterns
 #       (int32 in [0, 255]; see _e4m3_bits), to be stored through a uint8 view of the FP8 output.
 #   _serving_row_out(...)  all of the output side for a complete row held in registers: norm, rounding, FP8
-#       scale and bits, the store of out (and of scale_ptr[t]).
+#       scale and bits, the store of out (and of scale_ptr[t]); with MIX_OUT (fused_attn_res.full's return_mix)
+#       first the mix rounded to the I/O dtype into mix_ptr (_store_mix), the norm's input bit for bit.
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, mask, value, stride_nt, stride_pt, stride_ph,
@@ -335,12 +340,23 @@ def _fp8_bits(y, scale, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
 
 
 @triton.jit
+def _store_mix(mix_ptr, t, cols, mask, mix, stride_ot, VEC: tl.constexpr, MIX_OUT: tl.constexpr):
+    # fused_attn_res.full's return_mix: the FP32 mix rounded to the I/O dtype (mix_ptr's, a new contiguous [T, H] at
+    # out's token stride) by the same conversion _round_mix applies, so it is the output norm's input bit for bit.
+    if MIX_OUT:
+        _store_out(mix_ptr, t, cols, mask, mix, stride_ot, VEC)
+
+
+@triton.jit
 def _serving_row_out(out_ptr, io_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot,
                      VEC: tl.constexpr, OUT_NORM: tl.constexpr, NORM_FP32_MIX: tl.constexpr, FP8_OUT: tl.constexpr,
                      FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, NPU_NORM_SCALE: tl.constexpr = False,
-                     gram_ss=0.0, gram_ok=False, NORM_GRAM: tl.constexpr = False, REFINED: tl.constexpr = False):
+                     gram_ss=0.0, gram_ok=False, NORM_GRAM: tl.constexpr = False, REFINED: tl.constexpr = False,
+                     mix_ptr=None, MIX_OUT: tl.constexpr = False):
     # NPU_NORM_SCALE: the norm's scale in the form triton-ascend lowers (_norm_scale_npu: no scalar div_rn).
     # NORM_GRAM: the norm's sum of squares given (gram_ss where gram_ok; see _norm_sum_sq). REFINED: _norm_scale's.
+    # MIX_OUT: the mix rounded to the I/O dtype into mix_ptr (_store_mix).
+    _store_mix(mix_ptr, t, cols, hmask, mix, stride_ot, VEC, MIX_OUT)
     y = mix
     if OUT_NORM:
         x = _norm_input(mix, hmask, io_ptr, NORM_FP32_MIX)
@@ -366,16 +382,19 @@ def _serving_epilogue(out_ptr, newp_ptr, prefix_ptr, blocks_ptr, onw_ptr, scale_
                       VEC: tl.constexpr, H_STRIDED: tl.constexpr, HAS_ADDEND: tl.constexpr, SNAPSHOT: tl.constexpr,
                       OUT_NORM: tl.constexpr, INPLACE_PREFIX: tl.constexpr, NORM_FP32_MIX: tl.constexpr,
                       FP8_OUT: tl.constexpr, FP8_FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, gram_ss=0.0,
-                      gram_ok=False, NORM_GRAM: tl.constexpr = False, REFINED: tl.constexpr = False):
+                      gram_ok=False, NORM_GRAM: tl.constexpr = False, REFINED: tl.constexpr = False, mix_ptr=None,
+                      MIX_OUT: tl.constexpr = False):
     # A complete token row (rows kernel, per-token kernel): v is its prefix candidate (the new prefix), mix its
-    # FP32 mix; NORM_GRAM: the norm's sum of squares given (_norm_sum_sq); REFINED: _norm_scale's.
+    # FP32 mix; NORM_GRAM: the norm's sum of squares given (_norm_sum_sq); REFINED: _norm_scale's; MIX_OUT: the
+    # rounded mix stored too (_store_mix).
     _store_updated_prefix(newp_ptr, prefix_ptr, blocks_ptr, t, cols, hmask, v, stride_nt, stride_pt, stride_ph,
                           stride_bt, stride_bc, stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT,
                           INPLACE_PREFIX)
     # K = 0: the mix IS the new prefix (attn_res's exact copy); 0 * acc + 1 * v would turn -0.0 into +0.0.
     mix = tl.where(K == 0, v.to(tl.float32), mix)
     _serving_row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC,
-                     OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, False, gram_ss, gram_ok, NORM_GRAM, REFINED)
+                     OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, False, gram_ss, gram_ok, NORM_GRAM, REFINED,
+                     mix_ptr, MIX_OUT)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -453,7 +472,7 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
                          SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False, scale_ptr=None,
                          INPLACE_PREFIX: tl.constexpr = False, NORM_FP32_MIX: tl.constexpr = False,
                          FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
-                         USE_PDL: tl.constexpr = False):
+                         USE_PDL: tl.constexpr = False, mix_ptr=None, MIX_OUT: tl.constexpr = False):
     # Persistent: program pid handles tokens pid, pid + nprog, ... as ONE continuous stream of candidate rows
     # (token-major, K + 1 rows per token), so the prefetch runs across token boundaries and the memory system
     # never waits for a new token to start; the folded weight is loaded once per program, not once per token.
@@ -489,7 +508,8 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
                                       pid + (j // (K + 1)) * nprog, cols, hmask, acc / l_sum.to(tl.float32), xr, K, H,
                                       out_eps, stride_ot, stride_nt, stride_pt, stride_ph, stride_bt, stride_bc,
                                       stride_bh, write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT, OUT_NORM,
-                                      INPLACE_PREFIX, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX)
+                                      INPLACE_PREFIX, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, mix_ptr=mix_ptr,
+                                      MIX_OUT=MIX_OUT)
                 else:
                     _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l_sum.to(tl.float32),
                                stride_ot, VEC)
@@ -515,7 +535,7 @@ def attn_res_rows_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, 
                                   pid + (j // (K + 1)) * nprog, cols, hmask, acc / l_sum.to(tl.float32), v, K, H,
                                   out_eps, stride_ot, stride_nt, stride_pt, stride_ph, stride_bt, stride_bc, stride_bh,
                                   write_idx, VEC, H_STRIDED, HAS_ADDEND, SNAPSHOT, OUT_NORM, INPLACE_PREFIX,
-                                  NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX)
+                                  NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, mix_ptr=mix_ptr, MIX_OUT=MIX_OUT)
             else:
                 _store_out(out_ptr, pid + (j // (K + 1)) * nprog, cols, hmask, acc / l_sum.to(tl.float32), stride_ot,
                            VEC)
@@ -745,7 +765,7 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
                         SNAPSHOT: tl.constexpr = False, OUT_NORM: tl.constexpr = False, scale_ptr=None,
                         scratch_ptr=None, INPLACE_PREFIX: tl.constexpr = False, NORM_FP32_MIX: tl.constexpr = False,
                         FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
-                        NPU_NORM_SCALE: tl.constexpr = False):
+                        NPU_NORM_SCALE: tl.constexpr = False, mix_ptr=None, MIX_OUT: tl.constexpr = False):
     # NPU_NORM_SCALE: the output norm's scale in the form triton-ascend lowers (_norm_scale_npu); the NPU policy
     # sets it, the CUDA "tiles" plan keeps the default (_norm_scale's div_rn, bits unchanged).
     # COMPENSATED (fp32 I/O): Ascend vector cores have no FP64, so where the CUDA kernels score in FP64 this one
@@ -820,6 +840,8 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
                                       HAS_ADDEND, SNAPSHOT, INPLACE_PREFIX)
                 # K = 0: the mix IS new_prefix (attn_res's exact copy, -0.0 included).
                 mix = tl.where(K == 0, newp.to(tl.float32), tl.sum(p[:, None] * x, axis=0))
+                # MIX_OUT: this chunk of the rounded mix, complete here (the norm's scale needs the whole row).
+                _store_mix(mix_ptr, t, cols, hmask, mix, stride_ot, VEC, MIX_OUT)
                 if OUT_NORM:
                     mix = _norm_input(mix, hmask, prefix_ptr, NORM_FP32_MIX)
                     ss_mix += tl.sum(mix * mix, axis=0)
@@ -868,3 +890,38 @@ def attn_res_npu_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_ptr, T, K, H
                 x = _load_npu_tile(prefix_ptr, blocks_ptr, t, K, rows, cols, hmask, stride_pt, stride_ph, stride_bt,
                                    stride_bc, stride_bh, VEC, H_STRIDED)
                 _store_out(out_ptr, t, cols, hmask, tl.sum(p[:, None] * x, axis=0), stride_ot, VEC)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# fused_attn_res.full with mix=False: the add and the snapshot only (a pipeline-parallel boundary), CUDA and Ascend.
+# --------------------------------------------------------------------------------------------------------------
+_ADD_SNAPSHOT_INTS = ["T", "H", "tokens_per_prog", "stride_pt", "stride_ph", "stride_bt", "stride_bc", "stride_bh",
+                      "stride_at", "stride_ah", "stride_nt", "write_idx"]
+
+
+@triton.jit(do_not_specialize=_ADD_SNAPSHOT_INTS)
+def attn_res_add_snapshot_kernel(prefix_ptr, blocks_ptr, T, H, tokens_per_prog, stride_pt, stride_ph, stride_bt,
+                                 stride_bc, stride_bh, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                                 H_STRIDED: tl.constexpr, addend_ptr=None, newp_ptr=None, stride_at=0, stride_ah=0,
+                                 stride_nt=0, write_idx=0, HAS_ADDEND: tl.constexpr = False,
+                                 STORE_PREFIX: tl.constexpr = False, SNAPSHOT: tl.constexpr = False):
+    # Program pid owns tokens [pid * tokens_per_prog, (pid + 1) * tokens_per_prog) (CUDA: one token each; Ascend: a
+    # vector core's contiguous range) and walks each row in BLOCK-wide pieces: the new prefix round(prefix + addend)
+    # (_add_addend: the fused kernels' add, bit for bit), or the prefix itself, into newp_ptr (contiguous rows at
+    # stride_nt) with STORE_PREFIX and into blocks[t, write_idx] with SNAPSHOT. Nothing else is read or written.
+    pid = tl.program_id(0)
+    t_begin = pid * tokens_per_prog
+    t_end = tl.minimum(t_begin + tokens_per_prog, T)
+    for t in range(t_begin, t_end):
+        for h0 in range(0, H, BLOCK):
+            cols = h0 + tl.arange(0, BLOCK)
+            mask = cols < H
+            v = tl.load(_prefix_row_ptrs(prefix_ptr, t, cols, stride_pt, stride_ph, VEC, H_STRIDED), mask=mask,
+                        other=0.0)
+            if HAS_ADDEND:
+                v = _add_addend(v, addend_ptr, t, cols, mask, stride_at, stride_ah, VEC, H_STRIDED)
+            if STORE_PREFIX:
+                _store_out(newp_ptr, t, cols, mask, v, stride_nt, VEC)
+            if SNAPSHOT:
+                _store_snapshot(blocks_ptr, t, cols, mask, v, stride_bt, stride_bc, stride_bh, write_idx, VEC,
+                                H_STRIDED)

@@ -13,7 +13,7 @@ the shared kernels.
 Arithmetic: FP32 throughout; fp32 I/O (``COMPENSATED``) keeps the statistics and the score in double-float
 FP32 pairs as the two-pass kernel does (no FP64 on the vector cores), and applies the low part of each score and
 of each rescaling exponent to first order. Fused and serving flags as in attn_res_fwd (HAS_ADDEND, FUSED,
-SNAPSHOT, OUT_NORM; INPLACE_PREFIX, NORM_FP32_MIX, FP8_OUT through its serving helpers); the mix is computed by
+SNAPSHOT, OUT_NORM; INPLACE_PREFIX, NORM_FP32_MIX, FP8_OUT, MIX_OUT through its serving helpers); the mix is computed by
 the same code with or without them, so a fused op's mix equals the plain op's of its new prefix bit for bit.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def attn_res_npu_single_read_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_
                                     OUT_NORM: tl.constexpr = False, scale_ptr=None,
                                     INPLACE_PREFIX: tl.constexpr = False, NORM_FP32_MIX: tl.constexpr = False,
                                     FP8_OUT: tl.constexpr = False, FP8_FNUZ: tl.constexpr = False,
-                                    FP8_MAX: tl.constexpr = 448.0):
+                                    FP8_MAX: tl.constexpr = 448.0, mix_ptr=None, MIX_OUT: tl.constexpr = False):
     # Program pid owns tokens [pid * tokens_per_prog, (pid + 1) * tokens_per_prog); per token the candidates
     # v_0 .. v_{K-1} (block rows, never a slot >= K) and then v_K (the prefix, or the new prefix) are loaded once
     # each, as plain masked row loads (no pointer select). Working set per program (Unified Buffer): the folded
@@ -153,4 +153,5 @@ def attn_res_npu_single_read_kernel(prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, out_
             # K = 0: the mix IS the new prefix (attn_res's exact copy, -0.0 included); p * x / p need not be x.
             mix = tl.where(K == 0, x, mix)
         _serving_row_out(out_ptr, prefix_ptr, scale_ptr, onw_ptr, t, cols, hmask, mix, H, out_eps, stride_ot, VEC,
-                         OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, NPU_NORM_SCALE=True)
+                         OUT_NORM, NORM_FP32_MIX, FP8_OUT, FP8_FNUZ, FP8_MAX, NPU_NORM_SCALE=True, mix_ptr=mix_ptr,
+                         MIX_OUT=MIX_OUT)

@@ -16,6 +16,8 @@ A new kernel variant is covered by one more entry in an axes table: a keyword of
 points (``fused_attn_res``, ``fused_attn_res_quant``, ``fused_attn_res_``: the FP8 output epilogue, the in-place
 prefix, the norm's rounding point) goes into ``FUSED_OPS`` as ``name: (values...)``, a new entry point as a new
 key, and every value is passed to the policy as that keyword in every combination with the other axes.
+``fused_attn_res_full``'s forms (``FULL_FORMS``: the pre-norm mix returned, sum_out, mix=False and its
+add-and-snapshot kernel) have a table of their own.
 
 Runs only where the installed ``triton`` is triton-ascend (a venv of its own: it replaces the triton package), on
 its own (``python -m pytest -q -m ascend tests/ascend``, see .ci/run); skips with a reason everywhere else.
@@ -370,6 +372,57 @@ def test_fused(recorder: Recorder, case: dict):
                                          out_norm_weight=onw, out_norm_eps=1e-5, **keywords))
     # K = 0 too: the fused ops still add, snapshot and norm, in one launch of the plan's kernel.
     assert [launch.kernel for launch in launches] == [_forward_kernel(dtype, H, K)], launches
+
+
+#: fused_attn_res.full's forms beyond fused_attn_res's (vLLM-Ascend's call forms), as the policy's keywords: the
+#: pre-norm mix returned (both norm rounding points), the new prefix into sum_out, mix=False (the add-and-snapshot
+#: kernel), each with and without an addend, a snapshot and an output norm where the form takes them. Narrower base
+#: axes than the other ops': what sets these forms' compile keys is the plan's kernel (single-read, two-pass), fp32's
+#: compensated sums, the hidden stride and K = 0 (the mix is the new prefix).
+FULL_FORMS = {
+    "retmix": dict(return_mix=True),
+    "retmix_fp32mix": dict(return_mix=True, round_mix=False),
+    "sumout": dict(sum_out=True),
+    "sumout_fp32mix": dict(sum_out=True, round_mix=False),
+    "nomix": dict(mix=False),
+    "nomix_sumout": dict(mix=False, sum_out=True),
+}
+FULL_AXES = dict(dtype=("bf16", "fp32"), K=(0, 8), H=(7168, 96), layout=("tokenmajor", "hstrided"))
+FULL_WIDE_AXES = dict(dtype=("bf16",), K=(8,), H=(16384,), layout=("tokenmajor",))
+
+
+def _full_cases() -> list:
+    cases = []
+    for axes in (FULL_AXES, FULL_WIDE_AXES):
+        for p in _cases("full", dict(axes, **FUSED_FLAGS, form=tuple(FULL_FORMS))):
+            case = p.values[0]
+            if not FULL_FORMS[case["form"]].get("mix", True) and case["out_norm"]:
+                continue  # mix=False takes no output norm (a rule of the op)
+            cases.append(pytest.param(case, id=p.id))
+    return cases
+
+
+@pytest.mark.parametrize("case", _full_cases())
+def test_full(recorder: Recorder, case: dict):
+    from k3_ops.backends import npu
+
+    K = case["K"]
+    dtype, H, prefix, blocks, nw, pw = _base_args(case, capacity=K + 2)
+    addend = _rows(dtype, H, case["layout"]) if case["addend"] else None
+    write_idx = K + 1 if case["snapshot"] else -1
+    onw = torch.zeros(H, dtype=dtype) if case["out_norm"] else None
+    form = dict(FULL_FORMS[case["form"]])
+    if form.pop("sum_out", False):
+        form["sum_out"] = torch.zeros((T, 2 * H), dtype=dtype)[:, :H]  # contiguous rows, token stride 2 H
+    launches = _run(recorder, lambda: npu.fused_attn_res_full(prefix, addend, blocks, nw, pw, K, 1e-6, write_idx,
+                                                              onw, 1e-5 if onw is not None else None, **form))
+    names = [launch.kernel for launch in launches]
+    if form.get("mix", True):
+        # One launch of the plan's kernel, with MIX_OUT, the new prefix into sum_out or kept in prefix_sum.
+        assert names == [_forward_kernel(dtype, H, K)], names
+    else:
+        stores = case["addend"] or case["snapshot"] or "sum_out" in form
+        assert names == (["attn_res_add_snapshot_kernel"] if stores else []), names
 
 
 @pytest.mark.parametrize("case", _cases("bwd", dict(BASE_AXES, mask=MASKS)))
