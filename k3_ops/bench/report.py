@@ -283,7 +283,12 @@ def _public(public: dict, results: dict[str, dict]) -> list[str]:
              f"{public['triton']}); the public columns are as measured on {when}, not re-run. Kernels: "
              + "; ".join(f"{k}: {v}" for k, v in public["kernels"].items()) + ".", ""]
     if same:
-        lines += [f"Today's k3_ops cells ({env.get('device')}, commit `{env.get('commit')}`) beside them.", ""]
+        lines += [f"Today's k3_ops cells ({env.get('device')}, commit `{env.get('commit')}`) beside them, from this "
+                  "project's own harness (Method, above), not the side-by-side one: where a cell's kernel is the "
+                  f"same, the column k3_ops {when} against k3_ops today shows how far the two harnesses differ. "
+                  "Today's fused call also writes the snapshot and its cold sets carry their own weights; today's "
+                  "training step times each phase on a cold L2. So a today's speed-up compares k3_ops today with "
+                  "the public kernel as measured then, not a same-run ratio.", ""]
     else:
         lines += [f"Today's device ({env.get('device')}) is not an {public['device_match']}: no cell of today's run "
                   "is set beside these.", ""]
