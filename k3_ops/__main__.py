@@ -97,7 +97,7 @@ what it writes: the tables on stdout, and under --out (default bench_out/) <sect
   host (eager call cost) and train (forward + backward). 'python -m k3_ops.bench report' makes
   docs/benchmarks.md from such files.
 how long: 1-2 minutes on a 2-core CPU (small shapes through the reference formula: a smoke run of the
-  benchmark, not a kernel benchmark, timed with 1 thread); about 6 minutes on one H100 (the lean grids, warm
+  benchmark, not a kernel benchmark, timed with 1 thread); about 3 minutes on one H100 (the lean grids, warm
   and cold L2; '-- --full' for the full grids, far longer); add '-- --quick' for a smoke run.
 success: the last lines name the files written, then 'ALL CHECKS PASSED' (exit status 0); a failed check
   prints FAIL on its line and ends with 'SOME CHECKS FAILED' (exit status 1).
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print("== benchmark (python -m k3_ops.bench; options after '--')")
         # Both L2 states, so that docs/benchmarks.md shows both; 10 ms per measurement keeps a GPU run within the
         # device's time per command (options after '--' come later and win).
-        defaults = ["--device", device.type, "--l2", "both", "--rep", "10"]
+        defaults = ["--device", device.type, "--l2", "both", "--rep", "6"]
         written = bench.main([*defaults, *bench_argv]).get("_written", {})
     for line in summary(ok, written, not args.no_bench):
         print(line)
