@@ -97,7 +97,10 @@ def test_report_of_a_gpu_run_on_the_same_device_type_sets_todays_cells_beside_th
     assert "Cold L2, token-major, us: k3_ops / floor (floor ÷ k3_ops):" in lines
     assert "| 256 | 6.00 / 4.80 (0.80) | 18.00 / 14.40 (0.80) |" in lines  # warm T = 256, K = 1 and 4
     assert "| 1 | 2.52† / 2.02 (0.80) | 2.58 / 2.06 (0.80) |" in lines  # cold, the wide spread marked
-    assert "Today's k3_ops cells (NVIDIA H100 80GB HBM3, commit `abc1234`) beside them." in lines
+    intro = next(line for line in lines if line.startswith("Today's k3_ops cells"))
+    assert intro.startswith("Today's k3_ops cells (NVIDIA H100 80GB HBM3, commit `abc1234`) beside them, from this "
+                            "project's own harness")
+    assert "not a same-run ratio" in intro
     # Public T = 256, K = 4 warm (8.24 then, 7.43 the best public) beside today's 18.00: 7.43 / 18.00 today.
     assert "| 1 | 1 | 2.02 | 2.67 (ATOM) | 1.32 | 2.02 | 1.32 |" in lines
     assert "| 256 | 4 | 8.24 | 7.43 (vLLM-AMD) | 0.90 | 18.00 | 0.41 |" in lines

@@ -299,11 +299,9 @@ def budget_cases() -> list[tuple[str, str, dict]]:
     kernel), and the tiles backward it falls back to for H > 8192."""
     from k3_ops.backends import cuda
 
-    # The rows kernel as the table launches it at large T: directly (K <= 2), or as the streaming and cluster
-    # entries' fallback.
-    plan = cuda.LAUNCH_TABLE[(cuda.bucket(16384, cuda.T_BUCKETS), cuda.bucket(8, cuda.K_BUCKETS))]
-    if plan.kernel in cuda.NATIVE_KERNELS:
-        plan = plan.fallback
+    # The rows kernel as the table launches it at large T (K > 8).
+    plan = cuda.LAUNCH_TABLE[(cuda.bucket(16384, cuda.T_BUCKETS), cuda.bucket(32, cuda.K_BUCKETS))]
+    assert plan.kernel == "rows", plan
     fwd = dict(num_warps=plan.num_warps or 4, prefetch=plan.prefetch, num_stages=plan.num_stages)
     def bwd_kw(k_pad: int, config=None) -> list[tuple[str, dict]]:
         """("", kw) for a one-kernel plan; ("", stats kw), ("-apply", apply kw) for the stats_apply split."""
