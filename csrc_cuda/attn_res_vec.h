@@ -1,8 +1,6 @@
 // Device helpers of the CUDA C++ forward kernels (attn_res_cluster_kernel.h, attn_res_stream.cu): 16-byte vector loads
 // (split into fetch and unpack) and stores of 8 elements converted to / from FP32, CTA-wide reductions, the e4m3
-// encoding, the split cluster barrier, and the transaction barriers of an exchange without a release fence (no kernel
-// uses them: the alternative to the pushed exchange, docs/kernels.md "Design studies", "Cluster exchanges"). Included
-// by .cu files only (device code).
+// encoding and the split cluster barrier. Included by .cu files only (device code).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -164,69 +162,6 @@ __device__ __forceinline__ void cluster_arrive_release() {
 __device__ __forceinline__ void cluster_wait_acquire() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-
-// Transaction barriers (sm_90 mbarrier with a transaction count) for an exchange between the CTAs of a cluster
-// without a release fence: each value is a remote st.async whose bytes complete on the receiving CTA's barrier, and
-// the receiver waits on its own barrier for exactly the bytes it expects. barrier.cluster.arrive.release is a fence
-// over every earlier load and store of the thread (on sm_90 a MEMBAR at GPU scope), so an exchange through it also
-// waits for the thread's global stores and the other warps' remote ones. Below sm_90 they compile to nothing, as the
-// cluster barrier's halves above.
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// The address of the same shared-memory location in the CTA of cluster rank `rank`.
-__device__ __forceinline__ uint32_t map_rank(uint32_t addr, int rank) {
-  uint32_t out = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
-#endif
-  return out;
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-#endif
-}
-// Makes the inits visible to the cluster: before the cluster_arrive_relaxed that other CTAs wait for before their
-// first remote access.
-__device__ __forceinline__ void mbar_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-// This CTA's arrival with the bytes the phase expects (remote bytes may complete before it: the count goes
-// negative, and the phase completes when both the arrival and the bytes are in).
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void st_async_f32(uint32_t remote_addr, float value, uint32_t remote_bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];" ::"r"(remote_addr),
-               "r"(__float_as_uint(value)), "r"(remote_bar)
-               : "memory");
-#endif
-}
-// Spins until the barrier's phase of this parity has completed (acquire at cluster scope: the bytes it counted are
-// visible); traps after about 2^26 polls, so that a lost transaction fails the process instead of hanging the device.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t addr = smem_u32(bar);
-  for (uint32_t polls = 0;; ++polls) {
-    uint32_t done;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-    if (done) return;
-    if (polls > (1u << 26)) __trap();
-  }
 #endif
 }
 

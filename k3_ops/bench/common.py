@@ -301,6 +301,27 @@ def floor_cells(row: dict, first: str | None, limits: dict, nodes: int = 1) -> N
             row["limit_frac"] = row["limit_us"] / ours
 
 
+def timing_columns(names: list[str], first: str | None, plain: bool, bw_names: list[str]) -> list[list[str]]:
+    """The columns the timed sections share: each name's time, the first kernel's spread, the plain-launch times
+    (``plain``), and the share of the copy bandwidth of each of ``bw_names``."""
+    columns = [[f"us:{n}", f"{n} us", ".2f"] for n in names]
+    if first:
+        columns.append([f"spread:{first}", f"{first} IQR/median", ".2f"])
+    if plain:
+        columns += [[f"plain:{n}", f"{n} plain us", ".2f"] for n in names]
+    return columns + [[f"bw:{n}", f"{n} of BW", ".3f"] for n in bw_names]
+
+
+def floor_columns(rows: list[dict], first: str) -> list[list[str]]:
+    """The floor and limit columns (``floor_cells``) of the rows that have them."""
+    columns = []
+    if any("floor_frac" in r for r in rows):
+        columns += [["floor_frac", "floor / " + first, ".2f"], ["floor_geometry", "floor geometry", ""]]
+    if any("limit_frac" in r for r in rows):
+        columns.append(["limit_frac", "limit / " + first, ".2f"])
+    return columns
+
+
 def section_params(opts: Options, timer: Timer, H: int, capacity: int, modes: list[str], **extra) -> dict:
     """The ``params`` of a section's result: dtypes, shape, timing method, L2 states timed; on a CPU also the
     thread count and ``CPU_NOTE``."""

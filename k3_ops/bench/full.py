@@ -15,7 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from .common import Options, Problem, environment, l2_modes, measure, measure_cold, progress, section_params
+from .common import (
+    Options,
+    Problem,
+    environment,
+    l2_modes,
+    measure,
+    measure_cold,
+    progress,
+    section_params,
+    timing_columns,
+)
 from .fused import DEFAULTS
 from .mix import cold_sets
 from .timing import Timer
@@ -122,11 +132,7 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops=None) -> di
         del problem, sum_out
     names = list(BYTES)
     columns = [["l2", "L2", ""], ["T", "T", "d"], ["K", "K", "d"], ["write", "slot written", "d"]]
-    columns += [[f"us:{n}", f"{n} us", ".2f"] for n in names]
-    columns.append(["spread:fused_attn_res", "fused_attn_res IQR/median", ".2f"])
-    if opts.plain and timer.is_cuda:
-        columns += [[f"plain:{n}", f"{n} plain us", ".2f"] for n in names]
-    columns += [[f"bw:{n}", f"{n} of BW", ".3f"] for n in names]
+    columns += timing_columns(names, "fused_attn_res", opts.plain and timer.is_cuda, names)
     columns += [["retmix_vs_fused", "retmix / fused_attn_res", ".2f"], ["nomix_vs_add_copy", "nomix / add_copy", ".2f"]]
     return {"section": "full", "title": "fused_attn_res.full (vLLM-Ascend's call forms)",
             "environment": environment(device), "limits": limits,

@@ -20,12 +20,14 @@ from .common import (
     bytes_moved,
     environment,
     floor_cells,
+    floor_columns,
     k3_ops_ops,
     l2_modes,
     measure,
     measure_cold,
     progress,
     section_params,
+    timing_columns,
     unfused,
 )
 from .mix import DEFAULTS as MIX_DEFAULTS
@@ -110,16 +112,7 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
     ours = [n for n in (*kernels, *inplace) if n in names]
     columns = [["layout", "layout", ""], ["l2", "L2", ""], ["T", "T", "d"], ["K", "K", "d"],
                ["write", "slot written", "d"]]
-    columns += [[f"us:{n}", f"{n} us", ".2f"] for n in names]
-    if first:
-        columns.append([f"spread:{first}", f"{first} IQR/median", ".2f"])
-    if opts.plain and is_cuda:
-        columns += [[f"plain:{n}", f"{n} plain us", ".2f"] for n in names]
-    columns += [[f"bw:{n}", f"{n} of BW", ".3f"] for n in ours]
-    if any("floor_frac" in r for r in rows):
-        columns += [["floor_frac", "floor / " + first, ".2f"], ["floor_geometry", "floor geometry", ""]]
-    if any("limit_frac" in r for r in rows):
-        columns.append(["limit_frac", "limit / " + first, ".2f"])
+    columns += timing_columns(names, first, opts.plain and is_cuda, ours) + floor_columns(rows, first)
     if any("vs_unfused" in r for r in rows):
         columns.append(["vs_unfused", "unfused / " + first, ".2f"])
     return {"section": "fused", "title": "fused_attn_res (add + snapshot + mix + RMSNorm)",

@@ -23,6 +23,7 @@ from .common import (
     bytes_moved,
     environment,
     floor_cells,
+    floor_columns,
     footprint,
     k3_ops_ops,
     l2_modes,
@@ -30,6 +31,7 @@ from .common import (
     measure_cold,
     progress,
     section_params,
+    timing_columns,
 )
 from .timing import Timer, cold_set_count
 
@@ -130,16 +132,7 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
                 torch.cuda.empty_cache()
     names = list(kernels) + [n for n in (*refs, *floors) if any(f"us:{n}" in r for r in rows)]
     columns = [["layout", "layout", ""], ["l2", "L2", ""], ["T", "T", "d"], ["K", "K", "d"]]
-    columns += [[f"us:{n}", f"{n} us", ".2f"] for n in names]
-    if first:
-        columns.append([f"spread:{first}", f"{first} IQR/median", ".2f"])
-    if opts.plain and is_cuda:
-        columns += [[f"plain:{n}", f"{n} plain us", ".2f"] for n in names]
-    columns += [[f"bw:{n}", f"{n} of BW", ".3f"] for n in kernels]
-    if any("floor_frac" in r for r in rows):
-        columns += [["floor_frac", "floor / " + first, ".2f"], ["floor_geometry", "floor geometry", ""]]
-    if any("limit_frac" in r for r in rows):
-        columns.append(["limit_frac", "limit / " + first, ".2f"])
+    columns += timing_columns(names, first, opts.plain and is_cuda, list(kernels)) + floor_columns(rows, first)
     if any("vs_compile" in r for r in rows):
         columns.append(["vs_compile", "compile / " + first, ".2f"])
     return {"section": "mix", "title": "attn_res (plain mix)", "environment": environment(device),
