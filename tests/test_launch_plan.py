@@ -85,20 +85,48 @@ def test_fused_calls_take_an_explicit_config(op, config, kernels):
         assert [e[4]["ROWS"] for e in events if e[0] == "launch"] == [1]
 
 
+PLAN_MODULES = ("cuda_table", "cuda_plan", "npu_plan", "_fused", "_forward")
+
+
 def test_plan_modules_need_neither_triton_nor_kernels():
-    # In a fresh interpreter where importing triton fails: the plan modules import, and resolve a plan.
+    # In a fresh interpreter where importing triton fails: the plan modules import, and resolve a plan, and import no
+    # kernel module. A build with the CUDA C++ kernels imports backends._launch (torch only) with k3_ops itself, to
+    # bind the kernels' Python path (_registration._bind_cuda); elsewhere it must not be imported at all.
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "from k3_ops.backends import cuda_plan, cuda_table, npu_plan, _fused, _forward\n"
+        "import k3_ops\n"
+        "bound = 'k3_ops.backends._launch' in sys.modules\n"
+        f"from k3_ops.backends import {', '.join(PLAN_MODULES)}\n"
         "import torch\n"
         "facts = cuda_plan.DeviceFacts(interpreted=False, num_sms=132, capability=(9, 0), pdl=True)\n"
         "assert cuda_plan.table_plan(64, 4, 7168, facts).kernel == 'token'\n"
         "assert npu_plan.forward_plan(7168, 8, torch.bfloat16).kernel == 'single_read'\n"
         "assert not [m for m in sys.modules if m.startswith('k3_ops.kernels.')], 'a kernel module was imported'\n"
-        "assert 'k3_ops.backends._launch' not in sys.modules\n"
+        "assert bound == (getattr(k3_ops._C, 'set_cuda_kernels', None) is not None), bound\n"
+        "assert bound or 'k3_ops.backends._launch' not in sys.modules, 'a plan module imported the launch step'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("module", PLAN_MODULES)
+def test_plan_module_imports_no_launch_code(module):
+    # The same rule read from the source, so that it holds in a CUDA build too, where k3_ops binds the launch step.
+    import ast
+    from pathlib import Path
+
+    import k3_ops.backends as backends
+
+    tree = ast.parse((Path(backends.__file__).parent / f"{module}.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = ("." * node.level) + (node.module or "")
+            imported |= {base} | {f"{base}.{a.name}" if node.module else base + a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+    launch = {".cuda", ".npu", "._launch", "..kernels", "triton"}
+    assert not {m for m in imported if m in launch or m.startswith(("..kernels.", "triton."))}, imported
 
 
 def test_launch_table_is_its_rules():
