@@ -81,29 +81,37 @@ def test_gpu_run_rejects_unknown_words(args, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _tiny_tests(folder: Path, fail: bool) -> list[Path]:
+def _tiny_tests(folder: Path, fail: bool, hang: bool = False) -> list[Path]:
     folder.mkdir()
     ok = folder / "test_ok.py"
     ok.write_text("import os\n\n\ndef test_pdl_setting():\n    assert os.environ['K3_OPS_PDL'] in ('0', '1')\n")
     files = [ok]
     if fail:
         bad = folder / "test_bad.py"
-        bad.write_text("def test_fails():\n    assert False\n")
+        # With hang, a test after the failure outlives the timeout: pytest never prints its closing summary.
+        bad.write_text("import time\n\n\ndef test_fails():\n    assert False\n"
+                       + ("\n\ndef test_hangs():\n    time.sleep(600)\n" if hang else ""))
         files.append(bad)
     return files
 
 
-@pytest.mark.parametrize("fail", [False, True], ids=["all-pass", "one-file-fails"])
-def test_gpu_run_ptests_runs_each_file_with_pdl_on_and_off(tmp_path, fail):
-    files = _tiny_tests(tmp_path / "t", fail)
+@pytest.mark.parametrize("fail, hang", [(False, False), (True, False), (True, True)],
+                         ids=["all-pass", "one-file-fails", "fails-then-times-out"])
+def test_gpu_run_ptests_runs_each_file_with_pdl_on_and_off(tmp_path, fail, hang):
+    files = _tiny_tests(tmp_path / "t", fail, hang)
     out = tmp_path / "out"
-    env = {"OUT": str(out), "PY": sys.executable, "TEST_FILES": " ".join(map(str, files)), "TEST_TIMEOUT": "120"}
+    env = {"OUT": str(out), "PY": sys.executable, "TEST_FILES": " ".join(map(str, files)),
+           "TEST_TIMEOUT": "20" if hang else "120"}
     r = run("bash", str(TOOLS / "gpu_run.sh"), "ptests", env=env, timeout=300)
     assert r.returncode == (1 if fail else 0), r.stdout + r.stderr
     for pdl in (0, 1):
         assert re.search(rf"^PDL={pdl} \S+test_ok\.py rc=0: 1 passed in ", r.stdout, re.M), r.stdout
         if fail:
-            assert re.search(rf"^PDL={pdl} \S+test_bad\.py rc=1: 1 failed in ", r.stdout, re.M), r.stdout
+            rc = "124" if hang else r"1: 1 failed in "
+            assert re.search(rf"^PDL={pdl} \S+test_bad\.py rc={rc}", r.stdout, re.M), r.stdout
+    # The failed test is named under its file's line, twice (PDL on and off), a killed run included; no other is.
+    named = re.findall(r"^  failed: (\S+)$", r.stdout, re.M)
+    assert len(named) == (2 if fail else 0) and all(n.endswith("/test_bad.py::test_fails") for n in named), r.stdout
     assert re.search(rf"^ptests +\d+ s  {'FAILED' if fail else 'ok'}", r.stdout, re.M), r.stdout
     assert len(list((out / "ptests").glob("pdl*.log"))) == 2 * len(files)
 

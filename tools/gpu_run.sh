@@ -7,9 +7,10 @@
 # Stages, run in the order given (every stage after build needs its environment: name build first):
 #   build    pip install -e . against the machine's torch (no build isolation, no dependencies); prints the device,
 #            torch, triton, and whether the CUDA C++ kernels were built
-#   tests    the whole suite in one pytest; prints its summary line and the failures
+#   tests    the whole suite in one pytest; prints its summary line and the failed tests' names (from pytest -v's
+#            stream, so a run its timeout kills still names them)
 #   ptests   each of TEST_FILES twice at once, PDL on and off (K3_OPS_PDL=1 / 0; one GPU, so correctness only, never
-#            timings); one pytest per file and setting, one line each
+#            timings); one pytest per file and setting, one line each and the failed tests' names
 #   job      the README's main job (python -m k3_ops), its files under $OUT/job, its log in $OUT/job.txt
 #   bench    python -m k3_ops.bench $BENCH_ARGS (section names and options), its files under $OUT/bench
 #   pack     everything under $OUT into $OUT/gpu_out.tgz (name it last: the device returns only a few files)
@@ -59,6 +60,11 @@ pytest_line() {  # pytest_line LOG: pytest's closing summary line of LOG (or its
     | sed 's/^ *//;s/ *$//' || tail -1 "$1"
 }
 
+failed_names() {  # failed_names LOG: the tests LOG reports failed, one per line, from the lines pytest -v streams
+  # (so a run that its timeout kills before the closing summary still names them), at most 20
+  grep -aE "(FAILED|ERROR)" "$1" | grep -aoE "[^ ]+\.py::[^ ]+" | sort -u | head -20 | sed 's/^/  failed: /'
+}
+
 stage_build() {
   # Test-only wheels the GPU image lacks (expecttest, which opcheck needs), carried in .whl/ (git-ignored: make it
   # with `pip download --no-deps -d .whl expecttest`), installed beside the tree since there is no network.
@@ -72,12 +78,12 @@ stage_build() {
 }
 
 stage_tests() {
-  sh_run 'timeout "$TEST_TIMEOUT" $PY -m pytest -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} >"$OUT/tests.log" 2>&1; rc=$?; echo "tests: $(pytest_line "$OUT/tests.log")"; grep -aE "^(FAILED|ERROR) " "$OUT/tests.log" | head -20 | cut -c1-200; return $rc'
+  sh_run 'timeout "$TEST_TIMEOUT" $PY -m pytest -v -ra -p no:cacheprovider ${PYTEST_ARGS:-} >"$OUT/tests.log" 2>&1; rc=$?; echo "tests rc=$rc: $(pytest_line "$OUT/tests.log")"; failed_names "$OUT/tests.log"; return $rc'
 }
 
 stage_ptests() {
   # One background chain per setting; each file's pytest writes its own log and one summary line.
-  sh_run 'pids=(); for pdl in 1 0; do ( for f in $TEST_FILES; do log="$OUT/ptests/pdl$pdl.$(basename "$f" .py).log"; K3_OPS_PDL=$pdl timeout "$TEST_TIMEOUT" $PY -m pytest -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} "$f" >"$log" 2>&1; echo "PDL=$pdl $f rc=$?: $(pytest_line "$log")"; done >"$OUT/ptests/summary$pdl.txt" ) & pids+=($!); done; wait "${pids[@]}"'
+  sh_run 'pids=(); for pdl in 1 0; do ( for f in $TEST_FILES; do log="$OUT/ptests/pdl$pdl.$(basename "$f" .py).log"; K3_OPS_PDL=$pdl timeout "$TEST_TIMEOUT" $PY -m pytest -v -ra -p no:cacheprovider ${PYTEST_ARGS:-} "$f" >"$log" 2>&1; echo "PDL=$pdl $f rc=$?: $(pytest_line "$log")"; failed_names "$log"; done >"$OUT/ptests/summary$pdl.txt" ) & pids+=($!); done; wait "${pids[@]}"'
   sh_run 'cat "$OUT"/ptests/summary*.txt; ! grep -q "rc=[1-9]" "$OUT"/ptests/summary*.txt'
 }
 
