@@ -20,7 +20,8 @@
 //     Python path.
 //
 // Guarantees kept: arguments are checked before anything is written (a key is only stored after its Python call
-// passed the checks, and the checks depend on nothing outside the key, so a hit is a call that passes them);
+// passed the checks, and the checks depend on nothing outside the key, so a hit is a call that passes them: the
+// aliasing rules read how tensors that share a storage lie in it, so such pairs' relative byte offsets are keyed);
 // recompile safety (a replay compiles nothing); graph capture (a replay only allocates from the caching allocator
 // and launches on the current stream); profilers that hook Triton's launches (while a hook is set every call takes
 // the Python path, which calls them). Inputs that share an address take the Python path (roles would be
@@ -31,6 +32,7 @@
 // which a toolkit of only nvcc and the runtime (a conda cuda-nvcc install, say) does not ship.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/SmallVector.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -164,8 +166,19 @@ bool replay_enabled() {
 bool make_key(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, Key& key,
               std::vector<const void*>& addresses) {
   key.reserve(64);
+  // Tensors that share a storage: (storage, byte offset, argument position). The aliasing checks decide from how
+  // such tensors lie in their storage, which sizes and strides alone do not say: their relative byte offsets join
+  // the key, so equal keys still mean equal verdicts.
+  struct Placed {
+    const c10::StorageImpl* storage;
+    int64_t offset;
+    int64_t position;
+  };
+  c10::SmallVector<Placed, 8> placed;
+  int64_t position = -1;
   key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&op.schema())));
   for (const c10::IValue& v : args) {
+    ++position;
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       // Sparse, nested or storage-less tensors have no strides to key on: the Python path checks and rejects them.
@@ -180,7 +193,11 @@ bool make_key(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, Ke
         key.push_back(t.stride(d));
       }
       key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16));
-      if (t.numel() > 0) addresses.push_back(t.data_ptr());
+      if (t.numel() > 0) {
+        addresses.push_back(t.data_ptr());
+        placed.push_back({t.storage().unsafeGetStorageImpl(),
+                          t.storage_offset() * static_cast<int64_t>(t.element_size()), position});
+      }
     } else if (v.isNone()) {
       key.push_back(2);
     } else if (v.isInt()) {  // ints and ScalarType
@@ -202,6 +219,16 @@ bool make_key(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, Ke
       for (bool b : list) key.push_back(b);
     } else {
       return false;
+    }
+  }
+  for (size_t i = 0; i < placed.size(); ++i) {
+    for (size_t j = i + 1; j < placed.size(); ++j) {
+      if (placed[i].storage == placed[j].storage) {
+        key.push_back(7);
+        key.push_back(placed[i].position);
+        key.push_back(placed[j].position);
+        key.push_back(placed[j].offset - placed[i].offset);
+      }
     }
   }
   return true;

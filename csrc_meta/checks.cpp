@@ -5,6 +5,8 @@
 #include <c10/core/SymInt.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -232,11 +234,11 @@ Verdict attn_res_backward_rules(const at::Tensor& grad_out, const at::Tensor& pr
 }
 
 template <typename P>
-Verdict fused_attn_res_rules(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
-                             const at::Tensor& block_residual, const at::Tensor& norm_weight,
-                             const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
-                             int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
-                             c10::optional<double> out_norm_eps) {
+Verdict fused_attn_res_arg_rules(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                                 const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                 const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                 int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                                 c10::optional<double> out_norm_eps) {
   K3_FIRST(attn_res_rules<P>(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps));
   if (addend.has_value()) {
     K3_FIRST(like_prefix<P>(*addend, "addend", prefix_sum));
@@ -266,6 +268,291 @@ Verdict fused_attn_res_rules(const at::Tensor& prefix_sum, const c10::optional<a
   return std::nullopt;
 }
 
+// ---- Aliasing: what an op writes must share no memory with what it reads (as PyTorch's own in-place ops check).
+// A Region is the memory a tensor, or a slot range of a [T, C, H] buffer, can touch: its storage, element size,
+// offset, sizes and strides, each known or not (a symbolic value the trace cannot read without a guard). Built by
+// arithmetic on the tensor's metadata, never by making a view, so an eager check costs no allocation or dispatch.
+struct Region {
+  const c10::StorageImpl* storage = nullptr;  // nullptr: no storage (nothing to alias)
+  int64_t item = 1;
+  std::optional<int64_t> offset;
+  int64_t dim = 0;
+  std::array<std::optional<int64_t>, 3> size, stride;
+};
+
+template <typename P>
+Region region_of(const at::Tensor& t) {
+  Region r;
+  if (!t.has_storage() || t.dim() > 3) {
+    return r;  // no storage; the ops' tensors are 1-D to 3-D (their shape rules ran first)
+  }
+  r.storage = t.storage().unsafeGetStorageImpl();
+  r.item = static_cast<int64_t>(t.element_size());
+  r.offset = P::offset(t);
+  r.dim = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    r.size[d] = P::known(P::size(t, d));
+    r.stride[d] = P::stride(t, d);
+  }
+  return r;
+}
+
+// Slots [lo, hi) of a [T, C, H] buffer (lo <= hi <= C, checked before).
+template <typename P>
+Region slots_of(const at::Tensor& bank, int64_t lo, int64_t hi) {
+  Region r = region_of<P>(bank);
+  if (r.offset && r.stride[1]) {
+    r.offset = *r.offset + lo * *r.stride[1];
+  } else {
+    r.offset.reset();
+  }
+  r.size[1] = hi - lo;
+  return r;
+}
+
+bool known(const Region& r) {
+  if (!r.offset) {
+    return false;
+  }
+  for (int64_t d = 0; d < r.dim; ++d) {
+    if (!r.size[d] || !r.stride[d]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool empty(const Region& r) {
+  for (int64_t d = 0; d < r.dim; ++d) {
+    if (r.size[d] && *r.size[d] == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The bytes [first, last) a known, non-empty region's elements can occupy (non-negative strides).
+std::pair<int64_t, int64_t> byte_extent(const Region& r) {
+  int64_t last = *r.offset;
+  for (int64_t d = 0; d < r.dim; ++d) {
+    last += (*r.size[d] - 1) * *r.stride[d];
+  }
+  return {*r.offset * r.item, (last + 1) * r.item};
+}
+
+// Where a 2-D [T, H] or 3-D [T, C, H] region of contiguous rows keeps its rows within one period of its token stride
+// s: the column ranges [start, start + H) modulo s of its rows (one per slot of a 3-D region). nullopt where a row
+// is not contiguous or longer than s.
+std::optional<std::vector<std::pair<int64_t, int64_t>>> row_columns(const Region& r, int64_t s) {
+  if (r.dim != 2 && r.dim != 3) {
+    return std::nullopt;
+  }
+  const int64_t last = r.dim - 1;
+  const int64_t len = *r.size[last];
+  if ((len > 1 && *r.stride[last] != 1) || len > s) {
+    return std::nullopt;
+  }
+  const int64_t slots = r.dim == 3 ? *r.size[1] : 1;
+  const int64_t slot_stride = r.dim == 3 ? *r.stride[1] : 0;
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  for (int64_t c = 0; c < slots; ++c) {
+    rows.emplace_back(((*r.offset + c * slot_stride) % s + s) % s, len);
+  }
+  return rows;
+}
+
+// Regions of contiguous rows at one token stride s whose rows sit in different columns of s, e.g. the two halves of
+// one [T, 2 H] allocation, a [T, H] slot beside a [T, C, H] bank in one [T, C + 1, H] allocation, or a token-major
+// bank's snapshot slot beside its valid slots: their elements never meet, whatever their extents.
+bool side_by_side_rows(const Region& a, const Region& b) {
+  if (a.dim < 2 || b.dim < 2 || a.item != b.item) {
+    return false;
+  }
+  const int64_t s = *a.stride[0];
+  if (s != *b.stride[0] || s <= 0) {
+    return false;
+  }
+  const auto ra = row_columns(a, s), rb = row_columns(b, s);
+  if (!ra || !rb) {
+    return false;
+  }
+  for (const auto& [a0, la] : *ra) {
+    for (const auto& [b0, lb] : *rb) {
+      // On a circle of s columns: b's row starts d after a's; they miss each other iff a ends before b starts and b
+      // ends before a starts again.
+      const int64_t d = ((b0 - a0) % s + s) % s;
+      if (d < la || d + lb > s) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// The same memory with the same layout: the one alias a contract may allow (addend is prefix_sum).
+bool same_view(const Region& a, const Region& b) {
+  if (a.storage != b.storage || a.item != b.item || a.dim != b.dim || a.offset != b.offset) {
+    return false;
+  }
+  for (int64_t d = 0; d < a.dim; ++d) {
+    if (a.size[d] != b.size[d] || (a.size[d] != std::optional<int64_t>(1) && a.stride[d] != b.stride[d])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A region written by the op against one it reads (or also writes): no shared element, decided from byte extents
+// in one storage, except that rows side by side at one token stride pass. Conservative otherwise: two interleaved
+// views whose elements never coincide count as overlapping. Unknown at trace time (symbolic offsets or strides):
+// left to the eager check, which every kernel runs.
+Verdict no_shared_memory(const Region& out, const std::string& out_name, const char* role, const Region& t,
+                         const std::string& name, const char* why) {
+  if (out.storage == nullptr || out.storage != t.storage || empty(out) || empty(t) || !known(out) || !known(t) ||
+      side_by_side_rows(out, t)) {
+    return std::nullopt;
+  }
+  const auto a = byte_extent(out);
+  const auto b = byte_extent(t);
+  K3_VALUE_RULE(!(a.first < b.second && b.first < a.second), out_name, role, " must not share memory with ", name,
+                " (", why, "), got ", out_name, " at bytes [", a.first, ", ", a.second, ") and ", name, " at bytes [",
+                b.first, ", ", b.second, ") of one storage");
+  return std::nullopt;
+}
+
+std::string slot_label(int64_t w) { return "block_residual[:, block_write_idx=" + std::to_string(w) + "]"; }
+
+// A written region must not map two of its elements to one location (a stride-0 or overlapping layout): the dims of
+// more than one element, by increasing stride, each step past everything the smaller ones reach. Conservative:
+// an interleaved layout that never collides still fails.
+Verdict no_internal_overlap(const Region& r, const char* name, int64_t slot, const char* why) {
+  if (r.storage == nullptr || empty(r) || !known(r)) {
+    return std::nullopt;
+  }
+  std::array<std::pair<int64_t, int64_t>, 3> dims;  // (stride, size) of the dims with more than one element
+  size_t n = 0;
+  for (int64_t d = 0; d < r.dim; ++d) {
+    if (*r.size[d] > 1) {
+      dims[n++] = {*r.stride[d], *r.size[d]};
+    }
+  }
+  std::sort(dims.begin(), dims.begin() + n);
+  int64_t reach = 0;  // the largest offset the smaller dims reach
+  bool ok = true;
+  for (size_t i = 0; i < n && ok; ++i) {
+    ok = dims[i].first > reach;
+    reach += (dims[i].second - 1) * dims[i].first;
+  }
+  if (ok) {
+    return std::nullopt;
+  }
+  std::string sizes, strides;
+  for (int64_t d = 0; d < r.dim; ++d) {
+    sizes += (d ? ", " : "") + std::to_string(*r.size[d]);
+    strides += (d ? ", " : "") + std::to_string(*r.stride[d]);
+  }
+  K3_VALUE_RULE(false, slot < 0 ? std::string(name) : slot_label(slot), " is written (", why,
+                ") and must not map two elements to one memory location, got sizes [", sizes, "] and strides [",
+                strides, "]");
+  return std::nullopt;
+}
+
+// The aliasing rules of the serving ops, for the writes each makes: the snapshot slot block_residual[:, w] (every
+// overload, w >= 0), prefix_sum in place (fused_attn_res_ with an addend) and sum_out (.full). Each written region
+// has no internal overlap and shares no memory with any argument the op reads (prefix_sum, addend, the valid blocks
+// block_residual[:, :K], the weights) or writes besides it. The one alias a contract allows: addend is prefix_sum
+// (fused_attn_res_, prefix_sum += prefix_sum, each element read before it is written by the same lane).
+template <typename P>
+Verdict serving_alias_rules(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                            const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                            const at::Tensor& proj_weight, int64_t num_valid_blocks, int64_t block_write_idx,
+                            const c10::optional<at::Tensor>& out_norm_weight, bool prefix_written,
+                            const c10::optional<at::Tensor>& sum_out) {
+  // Each written region first on its own (no allocation: names are built only for a message).
+  const bool snapshot = block_write_idx >= 0;
+  if (prefix_written) {
+    K3_FIRST(no_internal_overlap(region_of<P>(prefix_sum), "prefix_sum", -1,
+                                 "round(prefix_sum + addend) is stored into it in place"));
+  }
+  if (snapshot) {
+    K3_FIRST(no_internal_overlap(slots_of<P>(block_residual, block_write_idx, block_write_idx + 1), "", block_write_idx,
+                                 "the snapshot of the new prefix"));
+  }
+  // Then against each other argument. Different storages cannot alias: the common case ends here.
+  auto storage = [](const at::Tensor& t) -> const c10::StorageImpl* {
+    return t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+  };
+  const std::array<const c10::StorageImpl*, 7> stores = {
+      storage(prefix_sum), storage(block_residual), storage(norm_weight), storage(proj_weight),
+      addend ? storage(*addend) : nullptr, out_norm_weight ? storage(*out_norm_weight) : nullptr,
+      sum_out ? storage(*sum_out) : nullptr};
+  bool shared = false;
+  for (size_t i = 0; i < stores.size() && !shared; ++i) {
+    for (size_t j = i + 1; j < stores.size(); ++j) {
+      shared = shared || (stores[i] != nullptr && stores[i] == stores[j]);
+    }
+  }
+  if (!shared) {
+    return std::nullopt;
+  }
+
+  struct Named {
+    Region region;
+    std::string name;
+  };
+  const std::string valid_name = "block_residual[:, :num_valid_blocks=" + std::to_string(num_valid_blocks) + "]";
+  std::vector<Named> reads = {{region_of<P>(prefix_sum), "prefix_sum"},
+                              {slots_of<P>(block_residual, 0, num_valid_blocks), valid_name},
+                              {region_of<P>(norm_weight), "norm_weight"},
+                              {region_of<P>(proj_weight), "proj_weight"}};
+  if (addend) reads.push_back({region_of<P>(*addend), "addend"});
+  if (out_norm_weight) reads.push_back({region_of<P>(*out_norm_weight), "out_norm_weight"});
+
+  if (prefix_written) {
+    const Region prefix = reads[0].region;
+    for (size_t i = 1; i < reads.size(); ++i) {
+      if (reads[i].name == "addend" && same_view(prefix, reads[i].region)) {
+        continue;  // prefix_sum += prefix_sum: allowed
+      }
+      K3_FIRST(no_shared_memory(prefix, "prefix_sum", " (written in place)", reads[i].region, reads[i].name,
+                                "the new prefix is stored into prefix_sum while the inputs are read"));
+    }
+  }
+  if (snapshot) {
+    const Region slot = slots_of<P>(block_residual, block_write_idx, block_write_idx + 1);
+    const std::string slot_name = slot_label(block_write_idx);
+    for (const Named& r : reads) {
+      K3_FIRST(no_shared_memory(slot, slot_name, " (the snapshot slot, written)", r.region, r.name,
+                                "the snapshot is stored while the inputs are read"));
+    }
+  }
+  if (sum_out) {
+    const Region s = region_of<P>(*sum_out);
+    const char* why = "the new prefix is stored into sum_out while the inputs are read";
+    reads.push_back({region_of<P>(block_residual), "block_residual"});
+    for (const Named& r : reads) {
+      if (r.name.rfind("block_residual[", 0) == 0) {
+        continue;  // the whole buffer, below, covers its valid slots and the snapshot slot
+      }
+      K3_FIRST(no_shared_memory(s, "sum_out", "", r.region, r.name, why));
+    }
+  }
+  return std::nullopt;
+}
+
+// fused_attn_res (out of place): its arguments' rules, then the snapshot's aliasing.
+template <typename P>
+Verdict fused_attn_res_rules(const at::Tensor& prefix_sum, const c10::optional<at::Tensor>& addend,
+                             const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                             const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                             int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
+                             c10::optional<double> out_norm_eps) {
+  K3_FIRST(fused_attn_res_arg_rules<P>(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                       eps, block_write_idx, out_norm_weight, out_norm_eps));
+  return serving_alias_rules<P>(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                block_write_idx, out_norm_weight, /*prefix_written=*/false, c10::nullopt);
+}
+
 // The FP8 output formats of the serving ops: the two e4m3 variants serving engines quantize activations to
 // (float8_e4m3fn on NVIDIA, float8_e4m3fnuz on AMD MI300); each output row gets a dynamic per-token scale.
 bool is_fp8_out_dtype(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e4m3fnuz; }
@@ -289,8 +576,8 @@ Verdict fused_attn_res_inplace_rules(const at::Tensor& prefix_sum, const c10::op
                                      const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
                                      int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
                                      c10::optional<double> out_norm_eps, c10::optional<at::ScalarType> out_dtype) {
-  K3_FIRST(fused_attn_res_rules<P>(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
-                                   eps, block_write_idx, out_norm_weight, out_norm_eps));
+  K3_FIRST(fused_attn_res_arg_rules<P>(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                       eps, block_write_idx, out_norm_weight, out_norm_eps));
   if (out_dtype.has_value()) {
     K3_TYPE_RULE(is_fp8_out_dtype(*out_dtype), "out_dtype must be None, torch.float8_e4m3fn or torch.float8_e4m3fnuz, "
                  "got ", dtype_name(*out_dtype));
@@ -303,104 +590,8 @@ Verdict fused_attn_res_inplace_rules(const at::Tensor& prefix_sum, const c10::op
                     P::str(P::size(prefix_sum, d)));
     }
   }
-  return std::nullopt;
-}
-
-// The bytes [first, last) a tensor's elements can occupy in its storage: from its storage offset to its last
-// element (non-negative strides). nullopt where the trace does not know them without a guard, or for no elements.
-template <typename P>
-std::optional<std::pair<int64_t, int64_t>> byte_extent(const at::Tensor& t) {
-  auto lo = P::offset(t);
-  if (!lo) {
-    return std::nullopt;
-  }
-  int64_t last = *lo;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    const auto size = P::known(P::size(t, d));
-    const auto stride = P::stride(t, d);
-    if (!size || !stride) {
-      return std::nullopt;
-    }
-    if (*size == 0) {
-      return std::nullopt;
-    }
-    last += (*size - 1) * *stride;
-  }
-  const int64_t item = static_cast<int64_t>(t.element_size());
-  return std::make_pair(*lo * item, (last + 1) * item);
-}
-
-// Where a 2-D [T, H] or 3-D [T, C, H] tensor of contiguous rows keeps its rows within one period of its token stride s:
-// the column ranges [start, start + H) modulo s of its rows (one per slot of a 3-D tensor). nullopt where that is not
-// known or a row is longer than s.
-template <typename P>
-std::optional<std::vector<std::pair<int64_t, int64_t>>> row_columns(const at::Tensor& t, int64_t s) {
-  if (t.dim() != 2 && t.dim() != 3) {
-    return std::nullopt;
-  }
-  const int64_t last = t.dim() - 1;
-  const auto len = P::known(P::size(t, last));
-  const auto unit = P::stride(t, last);
-  const auto offset = P::offset(t);
-  const auto slots = t.dim() == 3 ? P::known(P::size(t, 1)) : std::optional<int64_t>(1);
-  const auto slot_stride = t.dim() == 3 ? P::stride(t, 1) : std::optional<int64_t>(0);
-  if (!(len && unit && offset && slots && slot_stride) || (*len > 1 && *unit != 1) || *len > s) {
-    return std::nullopt;
-  }
-  std::vector<std::pair<int64_t, int64_t>> rows;
-  for (int64_t c = 0; c < *slots; ++c) {
-    rows.emplace_back(((*offset + c * *slot_stride) % s + s) % s, *len);
-  }
-  return rows;
-}
-
-// Tensors of contiguous rows at one token stride s whose rows sit in different columns of s, e.g. the two halves of
-// one [T, 2 H] allocation, or a [T, H] slot beside a [T, C, H] bank in one [T, C + 1, H] allocation: their elements
-// never meet, whatever their extents. False where that is not known.
-template <typename P>
-bool side_by_side_rows(const at::Tensor& a, const at::Tensor& b) {
-  if (a.dim() < 2 || b.dim() < 2 || a.element_size() != b.element_size()) {
-    return false;
-  }
-  const auto sa = P::stride(a, 0), sb = P::stride(b, 0);
-  if (!sa || !sb || *sa != *sb || *sa <= 0) {
-    return false;
-  }
-  const int64_t s = *sa;
-  const auto ra = row_columns<P>(a, s), rb = row_columns<P>(b, s);
-  if (!ra || !rb) {
-    return false;
-  }
-  for (const auto& [a0, la] : *ra) {
-    for (const auto& [b0, lb] : *rb) {
-      // On a circle of s columns: b's row starts d after a's; they miss each other iff a ends before b starts and b
-      // ends before a starts again.
-      const int64_t d = ((b0 - a0) % s + s) % s;
-      if (d < la || d + lb > s) {
-        return false;
-      }
-    }
-  }
-  return true;
-}
-
-// Two tensors that live in one storage with intersecting byte extents, unless they are side-by-side rows (above).
-// Conservative otherwise: two interleaved views whose elements never coincide count as overlapping.
-template <typename P>
-Verdict no_shared_memory(const at::Tensor& out, const char* out_name, const at::Tensor& t, const char* name,
-                         const char* why) {
-  if (!out.has_storage() || !t.has_storage() || !out.storage().is_alias_of(t.storage())) {
-    return std::nullopt;
-  }
-  const auto a = byte_extent<P>(out);
-  const auto b = byte_extent<P>(t);
-  if (!a || !b || side_by_side_rows<P>(out, t)) {
-    return std::nullopt;
-  }
-  K3_VALUE_RULE(!(a->first < b->second && b->first < a->second), out_name, " must not share memory with ", name,
-                " (", why, "), got ", out_name, " at bytes [", a->first, ", ", a->second, ") and ", name, " at bytes [",
-                b->first, ", ", b->second, ") of one storage");
-  return std::nullopt;
+  return serving_alias_rules<P>(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                block_write_idx, out_norm_weight, /*prefix_written=*/addend.has_value(), c10::nullopt);
 }
 
 template <typename P>
@@ -410,8 +601,8 @@ Verdict fused_attn_res_full_rules(const at::Tensor& prefix_sum, const c10::optio
                                   int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
                                   c10::optional<double> out_norm_eps, bool return_mix, bool mix,
                                   const c10::optional<at::Tensor>& sum_out) {
-  K3_FIRST(fused_attn_res_rules<P>(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
-                                   eps, block_write_idx, out_norm_weight, out_norm_eps));
+  K3_FIRST(fused_attn_res_arg_rules<P>(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                       eps, block_write_idx, out_norm_weight, out_norm_eps));
   K3_VALUE_RULE(mix || !return_mix, "return_mix=True needs mix=True (with mix=False nothing is mixed), got "
                 "return_mix=True and mix=False");
   if (out_norm_weight.has_value()) {
@@ -434,14 +625,9 @@ Verdict fused_attn_res_full_rules(const at::Tensor& prefix_sum, const c10::optio
       K3_VALUE_RULE(*stride0 >= *size1, "sum_out's rows must not overlap (sum_out.stride(0) >= sum_out.size(1)=",
                     *size1, "), got sum_out.stride(0)=", *stride0);
     }
-    const char* why = "the new prefix is stored into sum_out while the inputs are read";
-    K3_FIRST(no_shared_memory<P>(s, "sum_out", prefix_sum, "prefix_sum", why));
-    if (addend.has_value()) {
-      K3_FIRST(no_shared_memory<P>(s, "sum_out", *addend, "addend", why));
-    }
-    K3_FIRST(no_shared_memory<P>(s, "sum_out", block_residual, "block_residual", why));
   }
-  return std::nullopt;
+  return serving_alias_rules<P>(prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks,
+                                block_write_idx, out_norm_weight, /*prefix_written=*/false, sum_out);
 }
 
 // Trace time: raise the violation as the matching Python exception type.
