@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -551,13 +552,42 @@ def test_cli_formats_write_only_what_is_asked(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["mixx", "--device", "cpu"], "unknown section 'mixx': choose from mix, fused, layer, host, train"),
-    (["mix", "--l2", "tepid"], "--l2 must be warm, cold or both, got 'tepid'"),
+    (["mix", "--l2", "tepid"], "argument --l2: must be warm, cold or both, got 'tepid'"),
     (["mix", "--formats", "json,pdf"], "--formats must come from json, md, png, got 'pdf'"),
-], ids=["section", "l2", "formats"])
-def test_cli_rejects_bad_arguments(capsys, argv, message):
-    with pytest.raises(SystemExit):
+    (["mix", "--device", "tpu"], "argument --device: must be one of cpu, cuda, npu with an optional index (cuda:1), "
+                                 "got 'tpu'"),
+    (["mix", "--hidden", "0"], "argument --hidden: must be an integer >= 1, got '0'"),
+    (["mix", "--capacity", "x"], "argument --capacity: must be an integer >= 1, got 'x'"),
+    (["mix", "--tokens", "1,a"], "argument --tokens: must be a comma list of integers >= 1, got '1,a'"),
+    (["mix", "--blocks", "-1"], "argument --blocks: must be a comma list of integers >= 0, got '-1'"),
+    (["mix", "--blocks", "10"], "--blocks must be <= the buffer capacity (mix's default capacity 9), got 10"),
+    (["--blocks", "9"], "--blocks must be <= the buffer capacity (train's default capacity 8), got 9"),
+    (["mix", "--blocks", "5", "--capacity", "4"], "--blocks must be <= the buffer capacity (--capacity 4), got 5"),
+    (["mix", "--layouts", "token,tok"], "argument --layouts: must be a comma list of token / block, got 'tok'"),
+    (["mix", "--rep", "0"], "argument --rep: must be a number > 0, got '0'"),
+    (["mix", "--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    (["mix", "--max-ref-tokens", "0"], "argument --max-ref-tokens: must be an integer >= 1, got '0'"),
+    (["layer", "--layers", "0"], "argument --layers: must be an integer >= 1, got '0'"),
+    (["mix", "--configs", "{x"], "argument --configs: must be a JSON object or @file.json, got '{x'"),
+    (["train", "--bwd-configs", "@/nonexistent.json"], "argument --bwd-configs: cannot read '/nonexistent.json'"),
+    (["mix", "--configs", "[1]"], "argument --configs: must be a JSON object of objects"),
+    (["mix", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["mix", "--out", "README.md"], "--out must name a directory, got the file 'README.md'"),
+    (["report", "/nonexistent.json"], "no such file: '/nonexistent.json'"),
+], ids=["section", "l2", "formats", "device", "hidden", "capacity", "tokens", "blocks-negative", "blocks-over-mix",
+        "blocks-over-train", "blocks-over-capacity", "layouts", "rep", "threads", "max-ref-tokens", "layers",
+        "configs-json", "bwd-configs-file", "configs-shape", "dtype", "out-file", "report-file"])
+def test_cli_rejects_bad_arguments(capsys, monkeypatch, argv, message):
+    """Every option's bad value ends the command before anything runs: argparse's usage and one error line, exit
+    status 2, no traceback."""
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # README.md is a file there
+    monkeypatch.setattr(cli.Timer, "__init__", lambda *a, **k: pytest.fail("timed before its options were checked"))
+    with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
-    assert message in capsys.readouterr().err
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("python -m k3_ops.bench")
 
 
 def test_cli_thread_count_must_be_positive():
@@ -614,3 +644,4 @@ def test_writer_markdown_marks_missing_values():
     assert md[2:] == ["| T | a us |", "|---:|---:|", "| 1 | 2.50 |", "| 2 | - |"]
     with pytest.raises(ValueError, match="formats must come from .* got 'csv'"):
         writer.write(res, "unused", formats=("csv",))
+

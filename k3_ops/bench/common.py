@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..devices import best_device
 from .timing import Timer
 
 __all__ = ["DTYPES", "L2_MODES", "Options", "Ops", "k3_ops_ops", "unfused", "Problem", "ColdSets", "environment",
@@ -54,8 +55,9 @@ class Options:
     extra: dict = field(default_factory=dict)  # section-specific settings (the layer section's "layers")
 
     def resolved(self) -> Options:
-        """These options with the device filled in: CUDA when present, else the CPU."""
-        return replace(self, device=self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        """These options with the device filled in: the best present (``k3_ops.devices.best_device``: CUDA, an
+        NPU, else the CPU), as the main job picks it."""
+        return replace(self, device=self.device or best_device().type)
 
     @property
     def torch_device(self) -> torch.device:

@@ -401,9 +401,16 @@ def main(argv: list[str]) -> None:
     p.add_argument("--check", action="store_true", help="exit 1 if --out differs from what the results make")
     p.add_argument("--plot", default=None, metavar="DIR", help="with FILE: also write <section>.png for each")
     args = p.parse_args(argv)
+    missing = [f for f in args.files if not Path(f).is_file()] + ([] if args.files or args.data.is_dir()
+                                                                  else [str(args.data)])
+    if missing:
+        p.error(f"no such {'file' if args.files else 'directory'}: {missing[0]!r}")
     if args.files:
         for path in args.files:
-            result = json.loads(Path(path).read_text())
+            try:
+                result = json.loads(Path(path).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                p.error(f"{path!r} is not a saved result (JSON): {e}")
             print(writer.render(result, "markdown"))
             if args.plot and result.get("plot") and result["rows"]:
                 Path(args.plot).mkdir(parents=True, exist_ok=True)
