@@ -27,8 +27,9 @@ L2_MODES = ("warm", "cold")
 #: fastest of them.
 FLOOR_NAMES = {"floor": "tile", "floor_stream": "stream", "floor_row": "row"}
 #: What a CPU run's figures are: printed with every section's table and written with its result.
-CPU_NOTE = ("CPU: every op runs its reference formula (the CPU kernel), timed as wall time per call with a fixed "
-            "thread count; a smoke run of the benchmark, not a kernel benchmark")
+CPU_NOTE = ("CPU: every op runs its reference formula (the CPU kernel: the FP32 PyTorch formula plus the op's dispatch "
+            "and argument checks), timed as wall time per call with a fixed thread count, so the ratios between "
+            "columns are not kernel figures; a smoke run of the benchmark, not a kernel benchmark")
 
 
 @dataclass

@@ -137,8 +137,8 @@ def _method(results: dict[str, dict]) -> list[str]:
             "- **Floor**: the fastest of the floor kernels (`k3_ops/bench/floor.py`: the call's loads, stores and "
             "reductions without its arithmetic, in three geometries), timed the same way in the same run; a cell "
             "reads `k3_ops / floor (floor ÷ k3_ops)`. **Limit**: graph node + bytes / copy bandwidth "
-            f"({lim.get('copy_bandwidth_Bps', 0) / 1e12:.2f} TB/s, graph node {lim.get('graph_node_us') or 0:.2f} us, "
-            "same run).",
+            f"({writer.bandwidth(lim.get('copy_bandwidth_Bps', 0))}, graph node "
+            f"{lim.get('graph_node_us') or 0:.2f} us, same run).",
             "- **Host**: wall time of back-to-back eager calls + one synchronize, beside `torch.add` (the floor of an "
             "eager call). **Training**: plain launches with a cold L2, the forward and backward phases of the same "
             "steps (no phase above its step).",
