@@ -58,6 +58,7 @@ def _layouts(text: str) -> list[str]:
 
 
 def json_arg(text: str) -> dict:
+    """``--configs`` / ``--bwd-configs``: a JSON object of objects, inline or from ``@file.json``."""
     try:
         value = json.loads(Path(text[1:]).read_text() if text.startswith("@") else text)
     except OSError as e:
