@@ -1,4 +1,10 @@
-"""Typed Python entry points for the kimi_k3 ops. Each is a thin call into torch.ops.kimi_k3."""
+"""Typed Python entry points for the kimi_k3 ops. Each is a thin call into torch.ops.kimi_k3.
+
+These wrappers are the documented API: each first checks that its tensor arguments are tensors, so that a numpy
+array or a list gets one line naming the argument (``TypeError: prefix_sum must be a torch.Tensor, got
+numpy.ndarray``) instead of the dispatcher's page of overloads; calling ``torch.ops.kimi_k3.*`` directly gives
+PyTorch's own error. Every other rule (shapes, dtypes, devices, K, eps, overlaps) is checked by the ops themselves.
+"""
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol
@@ -7,6 +13,20 @@ import torch
 
 __all__ = ["attn_res", "apply_attn_res", "fused_attn_res", "fused_attn_res_", "fused_attn_res_full",
            "FusedAttnResOutputs", "warmup"]
+
+
+def _not_tensors(optional: tuple[str, ...] = (), **arguments: object) -> TypeError:
+    """The TypeError naming the first of ``arguments`` (in order) that is not a tensor (None allowed for the names in
+    ``optional``). Built only once a wrapper's own isinstance checks failed: those stay inline, as they are on the
+    path of every good call (~60 ns for four, a function call per argument would be ~300 ns)."""
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor) or (value is None and name in optional):
+            continue
+        kind = type(value)
+        where = "" if kind.__module__ == "builtins" else kind.__module__.split(".")[0] + "."
+        return TypeError(f"{name} must be a torch.Tensor{' or None' if name in optional else ''}, got "
+                         f"{where}{kind.__qualname__}")
+    raise AssertionError("_not_tensors: every argument is a tensor")
 
 
 def attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -30,8 +50,26 @@ def attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, norm_weight
     Returns:
         A new contiguous [T, H] tensor of ``prefix_sum.dtype``; equal to ``prefix_sum`` when K = 0.
     """
+    Tensor = torch.Tensor
+    if not (isinstance(prefix_sum, Tensor) and isinstance(block_residual, Tensor) and isinstance(norm_weight, Tensor)
+            and isinstance(proj_weight, Tensor)):
+        raise _not_tensors(prefix_sum=prefix_sum, block_residual=block_residual, norm_weight=norm_weight,
+                           proj_weight=proj_weight)
     return torch.ops.kimi_k3.attn_res.default(prefix_sum, block_residual, norm_weight, proj_weight,
                                                num_valid_blocks, eps)
+
+
+def _require_fused(prefix_sum: object, addend: object, block_residual: object, norm_weight: object,
+                   proj_weight: object, out_norm_weight: object, sum_out: object = None) -> None:
+    """The serving wrappers' tensor arguments are tensors (addend, out_norm_weight and sum_out may be None)."""
+    Tensor = torch.Tensor
+    if not (isinstance(prefix_sum, Tensor) and (addend is None or isinstance(addend, Tensor))
+            and isinstance(block_residual, Tensor) and isinstance(norm_weight, Tensor)
+            and isinstance(proj_weight, Tensor) and (out_norm_weight is None or isinstance(out_norm_weight, Tensor))
+            and (sum_out is None or isinstance(sum_out, Tensor))):
+        raise _not_tensors(("addend", "out_norm_weight", "sum_out"), prefix_sum=prefix_sum, addend=addend,
+                           block_residual=block_residual, norm_weight=norm_weight, proj_weight=proj_weight,
+                           out_norm_weight=out_norm_weight, sum_out=sum_out)
 
 
 def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_residual: torch.Tensor,
@@ -85,6 +123,7 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
     Inference only: with grad mode on and any input requiring grad it raises (use :func:`attn_res` for
     training). Bad arguments raise before anything is written.
     """
+    _require_fused(prefix_sum, addend, block_residual, norm_weight, proj_weight, out_norm_weight)
     if out_dtype is not None:
         return torch.ops.kimi_k3.fused_attn_res.quant(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                                        num_valid_blocks, eps, block_write_idx, out_norm_weight,
@@ -118,6 +157,7 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
         in-place prefix store included; under torch.compile the mutation is functionalized and reinplaced (no
         copy of prefix_sum or the buffer).
     """
+    _require_fused(prefix_sum, addend, block_residual, norm_weight, proj_weight, out_norm_weight)
     return torch.ops.kimi_k3.fused_attn_res_.default(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                                       num_valid_blocks, eps, block_write_idx, out_norm_weight,
                                                       out_norm_eps, out_dtype=out_dtype, round_mix=round_mix)
@@ -171,6 +211,7 @@ def fused_attn_res_full(prefix_sum: torch.Tensor, addend: torch.Tensor | None, b
     """
     # Without an output norm the mix is out itself: nothing to store twice. With mix=False the op sees return_mix
     # as given, so that it refuses the combination.
+    _require_fused(prefix_sum, addend, block_residual, norm_weight, proj_weight, out_norm_weight, sum_out)
     store_mix = return_mix and (out_norm_weight is not None or not mix)
     out, new_prefix, mixed = torch.ops.kimi_k3.fused_attn_res.full(
         prefix_sum, addend, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, block_write_idx,

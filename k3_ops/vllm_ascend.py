@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from k3_ops.ops import _LinearLike, _norm_eps, _RMSNormLike
+from k3_ops.ops import _LinearLike, _norm_eps, _not_tensors, _RMSNormLike
 
 __all__ = ["apply_attn_res", "apply_attention_residual", "apply_ascend_attn_res", "attn_res_fwd", "attn_res_fwd_mix"]
 
@@ -47,6 +47,11 @@ def apply_attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor, proj:
     Shapes: prefix_sum, addend, sum_out [T, H]; block_residual [T, C, H] (any strides); ``proj.weight`` [1, H] or
     [H]; ``norm.weight`` and ``out_norm.weight`` [H].
     """
+    Tensor = torch.Tensor
+    if not (isinstance(prefix_sum, Tensor) and isinstance(block_residual, Tensor)
+            and (addend is None or isinstance(addend, Tensor)) and (sum_out is None or isinstance(sum_out, Tensor))):
+        raise _not_tensors(("addend", "sum_out"), prefix_sum=prefix_sum, block_residual=block_residual, addend=addend,
+                           sum_out=sum_out)
     K = block_residual.size(1) if num_valid_blocks is None else num_valid_blocks
     eps = _norm_eps(norm)
     if addend is None and sum_out is None and out_norm is None:
@@ -88,6 +93,8 @@ def apply_ascend_attn_res(prefix_sum: torch.Tensor, block_residual: torch.Tensor
     model's version has one (pass its ``_EXTRA_CTX`` as ``extra_ctx``). The layer snapshots separately
     (``block_residual[:, block_write_idx].copy_(prefix_sum)``).
     """
+    if not isinstance(prefix_sum, torch.Tensor):  # returned as it is when K <= 0: never a numpy array
+        raise _not_tensors(prefix_sum=prefix_sum)
     if num_valid_blocks <= 0:
         return prefix_sum
     return _flash_comm(prefix_sum, apply_attn_res(prefix_sum, block_residual, proj, norm, num_valid_blocks),
@@ -119,6 +126,14 @@ def attn_res_fwd(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_re
     The AscendC op takes bf16 with contiguous rows; k3_ops takes every dtype and stride its ops take.
     """
     del optimize_prefill  # a tiling hint of the AscendC op (see the docstring)
+    Tensor = torch.Tensor
+    if not (isinstance(prefix_sum, Tensor) and (addend is None or isinstance(addend, Tensor))
+            and isinstance(block_residual, Tensor) and isinstance(proj_weight, Tensor)
+            and isinstance(norm_weight, Tensor)
+            and (output_norm_weight is None or isinstance(output_norm_weight, Tensor))):
+        raise _not_tensors(("addend", "output_norm_weight"), prefix_sum=prefix_sum, addend=addend,
+                           block_residual=block_residual, proj_weight=proj_weight, norm_weight=norm_weight,
+                           output_norm_weight=output_norm_weight)
     capacity = block_residual.size(1)
     if not mix:
         # Without the mix the call below asks for K = 0 (the mix of the new prefix alone is that prefix exactly);
@@ -142,5 +157,10 @@ def attn_res_fwd_mix(prefix_sum: torch.Tensor, block_residual: torch.Tensor, pro
     """The AscendC op's first form, ``torch.ops._C_ascend.attn_res_fwd(prefix_sum, block_residual, proj_weight,
     norm_weight, norm_eps=1e-5) -> output``: the mix of every slot of ``block_residual`` (the model passes
     ``block_residual[:, :num_valid_blocks]``) and prefix_sum, one ``kimi_k3::attn_res`` call."""
+    Tensor = torch.Tensor
+    if not (isinstance(prefix_sum, Tensor) and isinstance(block_residual, Tensor) and isinstance(proj_weight, Tensor)
+            and isinstance(norm_weight, Tensor)):
+        raise _not_tensors(prefix_sum=prefix_sum, block_residual=block_residual, proj_weight=proj_weight,
+                           norm_weight=norm_weight)
     return torch.ops.kimi_k3.attn_res.default(prefix_sum, block_residual, norm_weight, proj_weight,
                                               block_residual.size(1), norm_eps)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..devices import best_device
 from .timing import Timer
 
 __all__ = ["DTYPES", "L2_MODES", "Options", "Ops", "k3_ops_ops", "unfused", "Problem", "ColdSets", "environment",
@@ -26,8 +27,9 @@ L2_MODES = ("warm", "cold")
 #: fastest of them.
 FLOOR_NAMES = {"floor": "tile", "floor_stream": "stream", "floor_row": "row"}
 #: What a CPU run's figures are: printed with every section's table and written with its result.
-CPU_NOTE = ("CPU: every op runs its reference formula (the CPU kernel), timed as wall time per call with a fixed "
-            "thread count; a smoke run of the benchmark, not a kernel benchmark")
+CPU_NOTE = ("CPU: every op runs its reference formula (the CPU kernel: the FP32 PyTorch formula plus the op's dispatch "
+            "and argument checks), timed as wall time per call with a fixed thread count, so the ratios between "
+            "columns are not kernel figures; a smoke run of the benchmark, not a kernel benchmark")
 
 
 @dataclass
@@ -54,8 +56,9 @@ class Options:
     extra: dict = field(default_factory=dict)  # section-specific settings (the layer section's "layers")
 
     def resolved(self) -> Options:
-        """These options with the device filled in: CUDA when present, else the CPU."""
-        return replace(self, device=self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        """These options with the device filled in: the best present (``k3_ops.devices.best_device``: CUDA, an
+        NPU, else the CPU), as the main job picks it."""
+        return replace(self, device=self.device or best_device().type)
 
     @property
     def torch_device(self) -> torch.device:

@@ -137,8 +137,8 @@ def _method(results: dict[str, dict]) -> list[str]:
             "- **Floor**: the fastest of the floor kernels (`k3_ops/bench/floor.py`: the call's loads, stores and "
             "reductions without its arithmetic, in three geometries), timed the same way in the same run; a cell "
             "reads `k3_ops / floor (floor ÷ k3_ops)`. **Limit**: graph node + bytes / copy bandwidth "
-            f"({lim.get('copy_bandwidth_Bps', 0) / 1e12:.2f} TB/s, graph node {lim.get('graph_node_us') or 0:.2f} us, "
-            "same run).",
+            f"({writer.bandwidth(lim.get('copy_bandwidth_Bps', 0))}, graph node "
+            f"{lim.get('graph_node_us') or 0:.2f} us, same run).",
             "- **Host**: wall time of back-to-back eager calls + one synchronize, beside `torch.add` (the floor of an "
             "eager call). **Training**: plain launches with a cold L2, the forward and backward phases of the same "
             "steps (no phase above its step).",
@@ -401,9 +401,16 @@ def main(argv: list[str]) -> None:
     p.add_argument("--check", action="store_true", help="exit 1 if --out differs from what the results make")
     p.add_argument("--plot", default=None, metavar="DIR", help="with FILE: also write <section>.png for each")
     args = p.parse_args(argv)
+    missing = [f for f in args.files if not Path(f).is_file()] + ([] if args.files or args.data.is_dir()
+                                                                  else [str(args.data)])
+    if missing:
+        p.error(f"no such {'file' if args.files else 'directory'}: {missing[0]!r}")
     if args.files:
         for path in args.files:
-            result = json.loads(Path(path).read_text())
+            try:
+                result = json.loads(Path(path).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                p.error(f"{path!r} is not a saved result (JSON): {e}")
             print(writer.render(result, "markdown"))
             if args.plot and result.get("plot") and result["rows"]:
                 Path(args.plot).mkdir(parents=True, exist_ok=True)

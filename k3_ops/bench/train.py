@@ -162,6 +162,10 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
     columns += [[f"bwd_op_us:{n}", f"{n} bwd op alone us", ".1f"] for n in backwards]
     if any("vs_compile" in r for r in rows):
         columns.append(["vs_compile", "compile / " + next(iter(ops)), ".2f"])
+    if device.type == "cpu" and rows:
+        notes.insert(0, "CPU: k3_ops fwd+bwd is the formula's forward, then the backward op, which recomputes the "
+                        "forward from the four saved inputs (as the GPU kernels do, to keep O(T * H) memory); eager "
+                        "autograd keeps the forward's FP32 intermediates instead, so k3_ops may be the slower here")
     if is_cuda:
         notes.insert(0, "MiB: peak memory of one forward + backward step beyond what existed before it, less the "
                         "gradients it returns")

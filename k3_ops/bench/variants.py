@@ -17,7 +17,6 @@ machine).
 from __future__ import annotations
 
 import argparse
-import json
 from contextlib import contextmanager
 from functools import partial
 
@@ -291,7 +290,7 @@ def dry_run(cells: list[tuple[int, int]], opts: Options, configs: dict | None, o
 
 
 def main(argv: list[str]) -> dict:
-    from .cli import l2_arg
+    from .cli import json_arg, l2_arg
 
     p = argparse.ArgumentParser(prog="python -m k3_ops.bench variants", description=__doc__.split("\n\n")[0],
                                 epilog="Example (re-tuning on cold figures): python -m k3_ops.bench variants "
@@ -300,7 +299,8 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--calls", default="plain,fused", help=f"comma list of {', '.join(CALLS)} (default plain,fused)")
     p.add_argument("--l2", type=l2_arg, default=None, metavar="warm|cold|both", help="L2 state (default cold)")
     p.add_argument("--only", default=None, help="comma list of alternative names to time (default: all)")
-    p.add_argument("--configs", default=None, help='extra alternatives, JSON {"name": {"kernel": "token", ...}}')
+    p.add_argument("--configs", type=json_arg, default=None,
+                   help='extra alternatives, JSON {"name": {"kernel": "token", ...}} or @file.json')
     p.add_argument("--floors", action="store_true", help="also time the floor kernels at each cell")
     p.add_argument("--layer", action="store_true", help="also time the 24-layer step at each cell's T")
     p.add_argument("--hidden", type=int, default=7168)
@@ -314,7 +314,7 @@ def main(argv: list[str]) -> dict:
     bad = [c for c in calls if c not in CALLS]
     if bad:
         p.error(f"--calls must come from {', '.join(CALLS)}, got {bad[0]!r}")
-    configs = json.loads(args.configs) if args.configs else None
+    configs = args.configs
     only = args.only.split(",") if args.only else None
     opts = Options(hidden=args.hidden, capacity=args.capacity, rep_ms=args.rep, quick=args.quick, l2=args.l2)
     if args.dry_run:

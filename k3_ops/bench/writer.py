@@ -14,7 +14,15 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["FORMATS", "header", "render", "write", "plot", "figure"]
+__all__ = ["FORMATS", "bandwidth", "header", "render", "write", "plot", "figure"]
+
+
+def bandwidth(bytes_per_s: float) -> str:
+    """A bandwidth as the tables, the plots and docs/benchmarks.md all print it: three significant digits, in TB/s
+    from 1 TB/s up (a GPU's "3.04 TB/s"), else in GB/s (a CPU's "22.4 GB/s", not "0.02 TB/s")."""
+    if bytes_per_s >= 1e12:
+        return f"{bytes_per_s / 1e12:.3g} TB/s"
+    return f"{bytes_per_s / 1e9:.3g} GB/s"
 
 
 def _fmt(value, fmt: str) -> str:
@@ -43,7 +51,7 @@ def header(result: dict) -> str:
     if prm.get("threads"):
         parts.append(f"{prm['threads']} CPU thread{'s' if prm['threads'] > 1 else ''} (torch.set_num_threads)")
     if lim.get("copy_bandwidth_Bps"):
-        parts.append(f"copy bandwidth {lim['copy_bandwidth_Bps'] / 1e12:.3f} TB/s (read + write)")
+        parts.append(f"copy bandwidth {bandwidth(lim['copy_bandwidth_Bps'])} (read + write)")
     if lim.get("graph_node_us"):
         parts.append(f"graph node {lim['graph_node_us']:.2f} us")
     if lim.get("l2_bytes"):
@@ -171,7 +179,7 @@ def figure(result: dict):
             if pts:
                 ys = [(node or 0.0) + 1e6 * b / bw for _, b in pts]
                 ax.plot([p[0] for p in pts], ys, color="crimson", lw=0.9, ls=":",
-                        label=("graph node + " if node else "") + f"bytes / copy bandwidth ({bw / 1e12:.2f} TB/s)")
+                        label=("graph node + " if node else "") + f"bytes / copy bandwidth ({bandwidth(bw)})")
                 drawn += ys
         if node:
             ax.axhline(node, color="gray", lw=0.9, ls="-.", label=f"graph node {node:.2f} us")
