@@ -95,3 +95,21 @@ def test_docs_table_is_the_rule_data():
     assert table == _sharding.placements_table(), (
         "docs/distributed.md's table differs from the rules; regenerate it with "
         "python -c 'from k3_ops import _sharding; print(_sharding.placements_table())'")
+
+
+@requires_gloo
+def test_training_example_matches_one_process(tmp_path):
+    """examples/train_dtensor.py on 4 processes (FSDP2 over dp=2, sequence / tensor parallel over tp=2, gloo): its
+    loss curve equals the one-process model's within the example's stated tolerance, and the loss falls."""
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_dtensor
+
+    out = tmp_path / "result.json"
+    mp.start_processes(train_dtensor.worker, args=(4, str(tmp_path / "store"), str(out)), nprocs=4, join=True,
+                       start_method="spawn")
+    result = json.loads(out.read_text())
+    assert len(result["parallel"]) == len(result["single"]) == train_dtensor.STEPS
+    assert result["worst_rel_diff"] <= train_dtensor.LOSS_RTOL, result
+    assert result["parallel"][-1] < result["parallel"][0], result
