@@ -265,3 +265,7 @@ def _bind_cuda() -> None:
 
 
 _bind_cuda()
+
+
+# The DTensor sharding rules of these ops sit beside their registration (a no-op without torch.distributed).
+from . import _sharding  # noqa: E402, F401
