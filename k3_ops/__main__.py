@@ -136,8 +136,9 @@ benchmark options: everything after '--' goes to the benchmark (python -m k3_ops
 what it writes: the tables on stdout, and under the benchmark's --out (default bench_out/) <section>.json (the
   results), <section>.md (the tables) and mix.png / fused.png (plots, with the bench extra: pip install -e
   '.[bench]') for the sections mix (attn_res), fused (fused_attn_res and fused_attn_res_), layer (a 24-layer
-  decode step), host (eager call cost) and train (forward + backward). 'python -m k3_ops.bench report' makes
-  docs/benchmarks.md from such files.
+  decode step), host (eager call cost), train (forward + backward) and model (a Kimi-K3-shaped stack trained
+  with k3_ops and with the formula, also a check: the loss curves must agree). 'python -m k3_ops.bench report'
+  makes docs/benchmarks.md from such files.
 how long: about 25 s on a 2-core x86-64 CPU (26 s measured, first run with an empty Inductor cache; 18 s once it
   is warm; small shapes through the reference formula: a smoke run of the benchmark, not a kernel benchmark,
   timed with 1 thread); about 3 minutes on one H100 (183 s at 4a04013: the lean grids, warm and cold L2;
@@ -149,6 +150,21 @@ success: each check prints what it compares and its rule, then one line per case
 examples: python -m k3_ops;  python -m k3_ops --no-bench;  python -m k3_ops -- --quick --out /tmp/bench;
   python -m k3_ops -- --out docs/data --formats json,png  (then python -m k3_ops.bench report)
 """
+
+
+def check_training(model: dict | None) -> bool:
+    """The benchmark's model section as a check: the stack's loss curve with k3_ops against the formula's."""
+    if model is None:
+        return True
+    rule = model["params"]["loss_rtol"]
+    print(f"check: training a Kimi-K3-shaped stack ({model['params']['steps']} AdamW steps, torch.compile "
+          f"fullgraph): k3_ops's loss curve against the plain formula's; rule: every step within {rule:.0e} relative")
+    ok = True
+    for r in model["rows"]:
+        print(f"  T={r['T']} layers={r['layers']}: max relative difference {r['max_rel_diff']:.2e} "
+              f"{'ok' if r['passed'] else 'FAIL'}")
+        ok &= bool(r["passed"])
+    return ok
 
 
 def summary(ok: bool, written: dict[str, dict[str, str]], ran_bench: bool) -> list[str]:
@@ -203,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         from k3_ops import bench
 
         print("== benchmark (python -m k3_ops.bench; options after '--')")
-        written = bench.main(bench_args).get("_written", {})
+        results = bench.main(bench_args)
+        written = results.get("_written", {})
+        ok &= check_training(results.get("model"))
     for line in summary(ok, written, not args.no_bench):
         print(line)
     return 0 if ok else 1

@@ -14,6 +14,8 @@ import torch
 from k3_ops import bench, reference
 from k3_ops.bench import Ops, Options, Timer, cli, common, fused, host, layer, mix, timing, train, writer
 
+from conftest import requires_interpreter
+
 TINY = dict(device="cpu", hidden=32, rep_ms=0.5, quick=True, progress=False)
 
 
@@ -377,6 +379,9 @@ def test_gpu_sections_time_warm_and_cold_with_the_floors_and_train_only_differen
     assert {k.split(":")[1] for k in res["rows"][0] if k.startswith("us:")} == {"k3_ops", "eager", "compile"}
     for n in ("k3_ops", "eager", "compile"):
         assert res["rows"][0][f"bwd_us:{n}"] <= res["rows"][0][f"us:{n}"]
+    # The backward's floor, timed as the backward phase of the same steps.
+    r = res["rows"][0]
+    assert _positive(r["bwd_floor_us"]) and r["bwd_vs_floor"] == pytest.approx(r["bwd_floor_us"] / r["bwd_us:k3_ops"])
 
 
 @pytest.mark.cuda
@@ -666,3 +671,53 @@ def test_table_and_plot_print_the_copy_bandwidth_alike(bps, text):
         assert f"graph node + bytes / copy bandwidth ({text})" in labels
     finally:
         plt.close(fig)
+
+
+# --- model: the end-to-end training check ---------------------------------------------------------------------
+def _tiny_compare(**kw):
+    from k3_ops.bench import model
+
+    return model.compare(32, 3, 8, torch.float32, torch.device("cpu"), steps=4, intermediate=16, vocab=32, **kw)
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "aot_eager"])
+def test_model_curves_agree(compile_mode):
+    """k3_ops's stack and the formula's train to the same losses (FP32 CPU: the forward is the formula itself, so
+    this compares attn_res_backward with autograd), eagerly and through a fullgraph compile; the losses fall."""
+    from k3_ops.bench import model
+
+    r = _tiny_compare(compile_mode=compile_mode)
+    assert r["max_rel_diff"] <= model.LOSS_RTOL[torch.float32]
+    losses = r["k3_ops"][0]
+    assert losses[-1] < losses[0]
+
+
+def test_model_check_fails_on_a_wrong_mix():
+    """The check can fail: a mix that leaves out the oldest block (a wrong num_valid_blocks) breaks the rule."""
+    from k3_ops.bench import model
+
+    def wrong(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps):
+        return model.k3_ops_attn_res(prefix_sum, block_residual[:, 1:], norm_weight, proj_weight,
+                                     num_valid_blocks - 1, eps)
+
+    r = _tiny_compare(compile_mode="eager", candidate=wrong)
+    assert r["max_rel_diff"] > model.LOSS_RTOL[torch.float32]
+
+
+@pytest.mark.interpreter
+@requires_interpreter
+def test_backward_floor_writes_every_gradient_row():
+    """The backward's floor writes what the backward writes: K rows from the blocks, the prefix's row, zeros past K
+    (NaN-poisoned capacity is never read), each row after its full-row reduction."""
+    from k3_ops.bench.floor import backward_floor
+
+    T, C, H, K = 3, 5, 64, 2
+    g = torch.Generator().manual_seed(0)
+    gy, prefix = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    blocks = torch.randn(T, C, H, generator=g)
+    blocks[:, K:] = float("nan")
+    gp, gb = backward_floor(gy, prefix, blocks, None, None, K, 1e-6)
+    v = blocks[:, :K]
+    torch.testing.assert_close(gb[:, :K], gy[:, None] + v * (v * v).sum(-1, keepdim=True), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gp, gy + prefix * (prefix * prefix).sum(-1, keepdim=True), rtol=1e-5, atol=1e-4)
+    assert gb[:, K:].eq(0).all()

@@ -18,7 +18,7 @@ from k3_ops.bench import cli as bench_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SECTIONS = ("mix", "fused", "layer", "host", "train")
+SECTIONS = ("mix", "fused", "layer", "host", "train", "model")
 
 
 @pytest.mark.parametrize("extra", ["with-bench-extra", "without-bench-extra"])
@@ -33,7 +33,8 @@ def test_main_job_on_cpu_checks_pass_and_reports_its_files(tmp_path, capsys, mon
     assert main_job.main(["--device", "cpu", "--", "--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "graph breaks: 0" in out
-    assert out.count(" ok") >= 4  # one line per numerics case
+    assert out.count(" ok") >= 5  # one line per numerics case, one for the training check
+    assert "check: training a Kimi-K3-shaped stack" in out
     assert "not a kernel benchmark" in out and "CPU thread" in out  # CPU rows say what they are
     tail = out.rstrip().splitlines()[-4:]
     assert tail[-1] == "ALL CHECKS PASSED"

@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 from ..devices import DEVICE_HELP, device_arg, require
-from . import full, fused, host, layer, mix, train, writer
+from . import full, fused, host, layer, mix, model, train, writer
 from .common import DTYPES, L2_MODES, Ops, Options, k3_ops_ops
 from .timing import Timer
 
-SECTIONS = {"mix": mix, "fused": fused, "layer": layer, "host": host, "train": train, "full": full}
+SECTIONS = {"mix": mix, "fused": fused, "layer": layer, "host": host, "train": train, "model": model, "full": full}
 #: The main job's sections; "full" (fused_attn_res.full's call forms) runs only when named.
-DEFAULT_SECTIONS = ["mix", "fused", "layer", "host", "train"]
+DEFAULT_SECTIONS = ["mix", "fused", "layer", "host", "train", "model"]
 COMMANDS = ("report", "plan", "variants")
 PROG = "python -m k3_ops.bench"
 
@@ -84,7 +84,8 @@ def parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Benchmarks of the kimi_k3 ops, on the best device present. Sections: mix (attn_res), "
                     "fused (fused_attn_res and fused_attn_res_ vs unfused), layer (a captured 24-layer decode step), "
-                    "host (eager call cost), train (forward + backward), full (fused_attn_res.full's call forms vs "
+                    "host (eager call cost), train (forward + backward), model (a Kimi-K3-shaped stack trained with "
+                    "k3_ops and with the formula, torch.compile), full (fused_attn_res.full's call forms vs "
                     "fused_attn_res; only when named); no section names all but full. Each writes "
                     "<section>.json, <section>.md (the table) and, for mix and fused, <section>.png under --out. "
                     "Commands: 'report' (docs/benchmarks.md from docs/data/*.json, or saved results as tables), "

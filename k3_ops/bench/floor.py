@@ -25,6 +25,12 @@ prefix first, through a software-pipelined loop (``ROW_WARPS`` warps, ``ROW_STAG
 row's reduction before its contribution to the output: the floor under the launch table's one-row plans (one
 program per token, one row at a time), which neither of the others bounds at K = 8 from 64 tokens (the tile floor's
 padded tile is slower than the op there, and the stream floor splits a token without its exchange).
+
+The backward's floor (``backward_floor``, the train section's ``bwd floor``): the stream geometry over what every
+backward must move, per token the K + 2 rows it reads (grad_out, the prefix, the K valid blocks) and the C + 1 rows
+it writes (grad_prefix_sum and grad_block_residual at full capacity, zeros past K), with one FP32 reduction over each
+row read before any row is written (the softmax backward needs every row's full-row sums first). No weights, no
+exchange between the programs of one token, no weight gradient: a lower bound for the backward kernels.
 """
 from __future__ import annotations
 
@@ -34,8 +40,8 @@ import triton.language as tl
 
 from ..kernels.attn_res_fwd import gdc_launch_dependents_if, gdc_wait_if
 
-__all__ = ["mix_floor", "fused_floor", "mix_floor_stream", "fused_floor_stream", "mix_floor_row", "fused_floor_row",
-           "prefix_candidate", "GEOMETRIES", "ROW_FORMS", "row_form"]
+__all__ = ["backward_floor", "mix_floor", "fused_floor", "mix_floor_stream", "fused_floor_stream", "mix_floor_row",
+           "fused_floor_row", "prefix_candidate", "GEOMETRIES", "ROW_FORMS", "row_form"]
 
 GEOMETRIES = ("tile", "stream", "row")
 #: Tokens up to which the tile geometry splits a token over SPLIT programs.
@@ -144,6 +150,43 @@ def _floor_row_kernel(prefix_ptr, addend_ptr, blocks_ptr, out_ptr, new_prefix_pt
     if NORM:
         y = y * tl.rsqrt(tl.sum(y * y, axis=0) / H + eps)  # the output norm's reduction, after the mix
     tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _backward_floor_kernel(gy_ptr, prefix_ptr, blocks_ptr, gp_ptr, gb_ptr, stride_gt, stride_pt, stride_bt, stride_bc,
+                           H, C, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+    # A [ROWS, BLOCK] tile of the K block rows, the prefix and grad_out apart; each row's sum of squares over the
+    # tile, then every gradient row of the token's columns: K + 1 rows that depend on those sums, C - K zero rows.
+    pid = tl.program_id(0)
+    t = (pid // PROGRAMS).to(tl.int64)
+    cols = ((pid % PROGRAMS) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    rows = tl.arange(0, ROWS)[:, None]
+    inside = cols < H
+    x = tl.load(blocks_ptr + t * stride_bt + rows * stride_bc + cols, mask=(rows < K) & inside, other=0.0)
+    x = x.to(tl.float32)
+    v = tl.load(prefix_ptr + t * stride_pt + cols, mask=inside, other=0.0).to(tl.float32)
+    g = tl.load(gy_ptr + t * stride_gt + cols, mask=inside, other=0.0).to(tl.float32)
+    dx = g + x * tl.sum(x * x, axis=1)[:, None]
+    dv = g + v * tl.sum(v * v, axis=1)[:, None]
+    tl.store(gp_ptr + t * H + cols, dv.to(gp_ptr.dtype.element_ty), mask=inside)
+    tl.store(gb_ptr + (t * C + rows) * H + cols, dx.to(gb_ptr.dtype.element_ty), mask=(rows < K) & inside)
+    for c in range(K, C):
+        tl.store(gb_ptr + (t * C + c) * H + cols, tl.zeros_like(g).to(gb_ptr.dtype.element_ty), mask=inside)
+
+
+def backward_floor(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
+                   output_mask=(True, True, True)):
+    """The floor under ``attn_res_backward`` at this call's shape (same arguments; the outputs are not the op's)."""
+    T, C, H = block_residual.shape
+    K = int(num_valid_blocks)
+    rows, programs, block, warps = _geometry(T, K, H, "stream")
+    grad_prefix = torch.empty((T, H), dtype=prefix_sum.dtype, device=prefix_sum.device)
+    grad_blocks = torch.empty((T, C, H), dtype=block_residual.dtype, device=prefix_sum.device)
+    _backward_floor_kernel[(T * programs,)](
+        grad_out, prefix_sum, block_residual, grad_prefix, grad_blocks, grad_out.stride(0), prefix_sum.stride(0),
+        block_residual.stride(0), block_residual.stride(1), H, C, K=K, ROWS=rows, BLOCK=block, PROGRAMS=programs,
+        num_warps=warps, num_stages=1)
+    return grad_prefix, grad_blocks
 
 
 def _geometry(T: int, K: int, H: int, geometry: str = "tile",

@@ -21,7 +21,7 @@ from .timing import WIDE_SPREAD
 
 __all__ = ["SECTIONS", "MAX_LINES", "load", "render_doc", "main", "cell", "fmt_us"]
 
-SECTIONS = ("mix", "fused", "layer", "host", "train")
+SECTIONS = ("mix", "fused", "layer", "host", "train", "model")
 #: The page's length limit: a reference a reader takes in at once.
 MAX_LINES = 250
 DEFAULT_DATA = Path("docs/data")
@@ -140,7 +140,8 @@ def _method(results: dict[str, dict]) -> list[str]:
             f"({writer.bandwidth(lim.get('copy_bandwidth_Bps', 0))}, graph node "
             f"{lim.get('graph_node_us') or 0:.2f} us, same run).",
             "- **Host**: wall time of back-to-back eager calls + one synchronize, beside `torch.add` (the floor of an "
-            "eager call). **Training**: plain launches with a cold L2, the forward and backward phases of the same "
+            "eager call). **Training**: plain launches with a cold L2 and the host ahead of the GPU (a spin kernel "
+            "queued before each step, so the figures are device time), the forward and backward phases of the same "
             "steps (no phase above its step).",
         ]
     else:
@@ -244,20 +245,52 @@ def _train(result: dict) -> list[str]:
     rows = result["rows"]
     refs = [n for n in ("eager", "compile") if any(f"us:{n}" in r for r in rows)]
     mib = any("peak_less_grads:k3_ops" in r for r in rows)
-    head = ["T", "K", "k3_ops fwd+bwd", "fwd", "bwd", "bwd of BW"] + [f"{n} fwd+bwd" for n in refs]
-    head += ["k3_ops MiB"] if mib else []
+    floor = any("bwd_floor_us" in r for r in rows)
+    head = ["T", "K", "k3_ops fwd+bwd", "fwd", "bwd", "bwd of BW"]
+    head += ["bwd floor", "floor of BW", "floor / bwd"] if floor else []
+    head += [f"{n} fwd+bwd" for n in refs] + (["k3_ops MiB"] if mib else [])
     out = []
     for r in rows:
         line = [str(r["T"]), str(r["K"]), cell(r.get("us:k3_ops"), None, _wide(r, "k3_ops")),
                 fmt_us(r.get("fwd_us:k3_ops")), fmt_us(r.get("bwd_us:k3_ops")),
                 f"{r['bwd_bw:k3_ops']:.3f}" if r.get("bwd_bw:k3_ops") else "-"]
+        if floor:
+            line += [fmt_us(r.get("bwd_floor_us")),
+                     f"{r['bwd_floor_bw']:.3f}" if r.get("bwd_floor_bw") else "-",
+                     f"{r['bwd_vs_floor']:.2f}" if r.get("bwd_vs_floor") else "-"]
         line += [cell(r.get(f"us:{n}"), None, _wide(r, n)) for n in refs]
         if mib:
             line.append(f"{r['peak_less_grads:k3_ops']:.1f}" if r.get("peak_less_grads:k3_ops") else "-")
         out.append(line)
-    return ["## Training step (forward + backward, gradients of all four inputs)", "",
-            "us; bwd of BW: the backward's bytes / its time / copy bandwidth"
-            + ("; MiB: peak beyond the inputs, less the gradients" if mib else "") + ":", ""] + _table(head, out) + [""]
+    note = "us; bwd of BW: the backward's bytes / its time / copy bandwidth"
+    if floor:
+        note += ("; bwd floor: those bytes with one reduction per row read (no weights, no exchange), timed as the "
+                 "backward phase of the same steps")
+    note += "; MiB: peak beyond the inputs, less the gradients" if mib else ""
+    return ["## Training step (forward + backward, gradients of all four inputs)", "", note + ":", ""] \
+        + _table(head, out) + [""]
+
+
+def _model(result: dict) -> list[str]:
+    prm = result["params"]
+    head = ["T", "layers", "k3_ops step", "formula step", "formula / k3_ops", "max rel loss diff"]
+    mib = any("peak_mib:k3_ops" in r for r in result["rows"])
+    head += ["k3_ops MiB", "formula MiB"] if mib else []
+    out = []
+    for r in result["rows"]:
+        line = [str(r["T"]), str(r["layers"]), fmt_us(r.get("step_us:k3_ops")), fmt_us(r.get("step_us:formula")),
+                f"{r['speedup']:.2f}", f"{r['max_rel_diff']:.1e}" + ("" if r["passed"] else " (FAILED)")]
+        if mib:
+            line += [f"{r.get('peak_mib:k3_ops', 0):.0f}", f"{r.get('peak_mib:formula', 0):.0f}"]
+        out.append(line)
+    curves = "; ".join(f"T = {r['T']}: " + ", ".join(f"{x:.4f}" for x in r["loss:k3_ops"]) for r in result["rows"])
+    return ["## Training a Kimi-K3-shaped stack (end to end)", "",
+            f"{prm.get('steps')} AdamW steps on one batch, `torch.compile(fullgraph=True)` ({prm.get('compile')}), "
+            f"{prm.get('dtype')}, H = {prm.get('hidden')}, block size {prm.get('block_size')}, stand-in attention "
+            f"(H x H) and expert MLP ({prm.get('intermediate')}), every mix through k3_ops or through the plain "
+            f"formula (autograd); pass rule: the loss curves within {prm.get('loss_rtol'):.0e} relative. Step: "
+            f"forward + backward + optimizer, us ({prm.get('timing')}); MiB: peak of a step beyond weights and "
+            f"optimizer state. k3_ops's losses: {curves}.", ""] + _table(head, out) + [""]
 
 
 def _given(x) -> str:
@@ -303,7 +336,7 @@ def _public(public: dict, results: dict[str, dict]) -> list[str]:
         intro = f"**{title}**, us" + (f": {part['summary']}." if part.get("summary") else ":")
         return [intro, ""] + _table(head + extra, rows) + [""]
 
-    mix, fused, layer, host, train = (results.get(n) for n in SECTIONS)
+    mix, fused, layer, host, train = (results.get(n) for n in ("mix", "fused", "layer", "host", "train"))
 
     def mix_row(l2):
         def make(r):
@@ -374,7 +407,7 @@ def render_doc(data: Path) -> str:
               "main job); do not edit by hand: `tests/test_report.py` checks that this page is what the command makes.",
               ""]
     lines += _method(results)
-    makers = {"mix": _mix, "fused": _fused, "layer": _layer, "host": _host, "train": _train}
+    makers = {"mix": _mix, "fused": _fused, "layer": _layer, "host": _host, "train": _train, "model": _model}
     for name, make in makers.items():
         if name in results:
             lines += make(results[name])

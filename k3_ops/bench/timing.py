@@ -12,6 +12,10 @@
   write), median. What a single eager call costs the device when the host keeps up.
 * ``Timer.phases`` — one call made of two phases (a forward, then its backward), each sample timing both: the
   phases' medians never exceed the whole call's median, since every sample's phase is part of that sample's whole.
+  On CUDA the device time of plain launches with a cold L2 and the host ahead: a spin kernel queued before each
+  sample (``host_ahead``) holds the GPU until the host has queued the whole call, as in a training step whose host
+  runs ahead of the GPU, so a phase's figure is its kernels' time and not the autograd engine's host time (which
+  the host section reports).
 * ``Timer.wall`` — wall time per eager call: N back-to-back calls, then one synchronize; the median of a few
   such batches divided by N. Host cost included: the figure an eager caller (prefill above the capture sizes,
   training, debugging) sees. The only method on a CPU, where it is also the "graph" figure.
@@ -41,6 +45,8 @@ __all__ = ["Timer", "Spread", "synchronize", "cold_set_count", "l2_bytes", "COLD
 COLD_FACTOR = 3.0
 #: The L2 assumed where the device does not report one (an H100's is 50 MB).
 DEFAULT_L2_BYTES = 50 * 2**20
+#: Samples per ``Timer.phases`` figure on CUDA (each waits behind a spin kernel of ``Timer.host_ahead``).
+PHASE_SAMPLES = 60
 #: Interquartile range / median above which a figure is noted as having a wide spread.
 WIDE_SPREAD = 0.2
 
@@ -129,6 +135,7 @@ class Timer:
         self.last: Spread | None = None
         self._limits: dict | None = None
         self._flush: torch.Tensor | None = None
+        self._spin_cycles: int | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -247,6 +254,21 @@ class Timer:
             self._flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=self.device)
         self._flush.zero_()
 
+    def host_ahead(self, ms: float = 1.0) -> None:
+        """Queue a spin kernel of about ``ms`` milliseconds on the current stream, so that the calls the host queues
+        next wait for it and start back to back on the GPU, with none of the host's time between them."""
+        if self._spin_cycles is None:
+            # Cycles per millisecond, measured once (the clock the spin runs at, not the datasheet's).
+            probe = 1_000_000
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(probe)  # the first launch loads the kernel
+            s.record()
+            torch.cuda._sleep(probe)
+            e.record()
+            torch.cuda.synchronize(self.device)
+            self._spin_cycles = int(probe / max(s.elapsed_time(e), 1e-3))
+        torch.cuda._sleep(int(ms * self._spin_cycles))
+
     def _launch_count(self, fn: Callable[[], object]) -> int:
         probe_s, probe_e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         probe_s.record()
@@ -257,9 +279,9 @@ class Timer:
         n = max(5, min(self.max_calls, int(5 * self.rep_ms / max(probe_s.elapsed_time(probe_e), 1e-3))))
         return min(n, 20) if self.quick else n
 
-    def launch(self, fn: Callable[[], object], *, flush_l2: bool = True) -> float:
-        """Device time of one plain launch (with a cold L2 unless ``flush_l2`` is False), median; wall time per
-        call on a CPU."""
+    def launch(self, fn: Callable[[], object], *, flush_l2: bool = True, host_ahead: bool = False) -> float:
+        """Device time of one plain launch (with a cold L2 unless ``flush_l2`` is False; with ``host_ahead`` the
+        host's own time between its kernels excluded, as in ``phases``), median; wall time per call on a CPU."""
         if not self.is_cuda:
             return self.wall(fn)
         self._warm(fn)
@@ -267,6 +289,8 @@ class Timer:
         start = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         end = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         for s, e in zip(start, end):
+            if host_ahead:
+                self.host_ahead()
             if flush_l2:
                 self._flush_l2()
             s.record()
@@ -277,18 +301,20 @@ class Timer:
 
     def phases(self, first: Callable[[], object], second: Callable[[object], object]) -> tuple[float, float, float]:
         """(whole, first phase, second phase) of the call ``second(first())``, us, each the median over samples
-        that time both phases of one call: plain launches with a cold L2 (device time) on CUDA, batches of
-        back-to-back calls (wall time) elsewhere. Since each sample's phase is part of that sample's whole, no
-        phase's median exceeds the whole's. ``Timer.last`` is the whole's spread."""
+        that time both phases of one call: plain launches with a cold L2 and the host ahead (device time) on CUDA,
+        batches of back-to-back calls (wall time) elsewhere. Since each sample's phase is part of that sample's
+        whole, no phase's median exceeds the whole's. ``Timer.last`` is the whole's spread."""
         def call():
             return second(first())
 
         self._warm(call)
         firsts, seconds = [], []
         if self.is_cuda:
-            n = self._launch_count(call)
+            # Each sample waits behind its spin kernel: enough samples for a median, without seconds of spinning.
+            n = min(self._launch_count(call), PHASE_SAMPLES)
             events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(n)]
             for e0, e1, e2 in events:
+                self.host_ahead()
                 self._flush_l2()
                 e0.record()
                 mid = first()

@@ -2,17 +2,20 @@
 
 Per (layout, T, K), for each implementation: one step (the forward, then ``torch.autograd.grad`` of all four inputs
 with a fixed incoming gradient) timed with ``Timer.phases``: every sample times the forward and the backward of
-one step (plain launches, each step alone with a cold L2, device time, on a GPU; wall time of batches of steps on a
-CPU), so the step's figure is the median of whole steps and the forward and backward figures the medians of their
-phases, and no phase is reported slower than the step it is part of. On a GPU also the peak memory the step
-allocates beyond what existed before it, and that peak less the gradients it returns (which every implementation
-must allocate): O(T * H) for k3_ops (grad_out copies, workspace), O(T * K * H) for the eager graph's saved FP32
-intermediates. Implementations: ``ops[name].attn_res`` with its registered autograd, and the references: autograd
-of the FP32 formula (``eager``) and of ``torch.compile`` of it (``compile``, GPU only). The backward's fraction of
-copy bandwidth counts the bytes it must move: K + 1 candidate rows and grad_out read, C + 1 gradient rows written
-(grad_block_residual at full capacity, grad_prefix_sum), per token. Backward variants (``Ops`` with a ``backward``
-and no ``attn_res``, e.g. ``--bwd-configs``) are timed as the backward op alone (plain launches), beside the
-registered backward op timed the same way.
+one step (plain launches, each step alone with a cold L2 and the host ahead of the GPU, device time, on a GPU;
+wall time of batches of steps on a CPU), so the step's figure is the median of whole steps and the forward and
+backward figures the medians of their phases, and no phase is reported slower than the step it is part of. On a GPU
+also the peak memory the step allocates beyond what existed before it, and that peak less the gradients it returns
+(which every implementation must allocate): O(T * H) for k3_ops (grad_out copies, workspace), O(T * K * H) for the
+eager graph's saved FP32 intermediates. Implementations: ``ops[name].attn_res`` with its registered autograd, and
+the references: autograd of the FP32 formula (``eager``) and of ``torch.compile`` of it (``compile``, GPU only).
+The backward's fraction of copy bandwidth counts the bytes it must move: K + 1 candidate rows and grad_out read,
+C + 1 gradient rows written (grad_block_residual at full capacity, grad_prefix_sum), per token. On a GPU the
+backward's floor (``floor.backward_floor``: those bytes with one reduction per row read, no weights, no exchange)
+is timed as the backward phase of the same steps (after the same forward, with a cold L2 and the host ahead), so
+"bwd floor / bwd" compares like with like. Backward variants (``Ops`` with a ``backward`` and no ``attn_res``, e.g.
+``--bwd-configs``) are timed as the backward op alone (plain launches, the host ahead), beside the registered
+backward op timed the same way.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ from .timing import Timer, synchronize
 
 DEFAULTS = {
     "all": {"hidden": 7168, "capacity": 8, "layouts": ["token"]},
-    "gpu": {"tokens": [1024, 16384], "blocks": [1, 8]},
-    "full-gpu": {"tokens": [1024, 4096, 16384], "blocks": [1, 4, 8]},
+    "gpu": {"tokens": [1024, 2048, 4096, 16384], "blocks": [1, 2, 4, 8]},
+    "full-gpu": {"tokens": [1024, 2048, 4096, 16384], "blocks": [1, 2, 4, 8]},
     "cpu": {"tokens": [16, 64], "blocks": [1, 8]},
     "quick": {"tokens": [16], "blocks": [4]},
     "quick-cpu": {"hidden": 256},
@@ -138,8 +141,19 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
                         del forward, backward
                         if is_cuda:
                             torch.cuda.empty_cache()
+                    if is_cuda and forwards:
+                        from .floor import backward_floor
+
+                        first_forward, _ = step_phases(next(iter(forwards.values())), call_args, gy)
+                        _, _, row["bwd_floor_us"] = timer.phases(
+                            first_forward, lambda out, a=call_args, g=gy: backward_floor(g, *a))
+                        row["bwd_floor_bw"] = row["bytes"] / (row["bwd_floor_us"] * 1e-6) / bw
+                        first = next(iter(forwards))
+                        if row.get(f"bwd_us:{first}"):
+                            row["bwd_vs_floor"] = row["bwd_floor_us"] / row[f"bwd_us:{first}"]
                     for name, bwd in backwards.items():
-                        row[f"bwd_op_us:{name}"] = timer.launch(partial(bwd, gy, *call_args, [True, True, True]))
+                        row[f"bwd_op_us:{name}"] = timer.launch(partial(bwd, gy, *call_args, [True, True, True]),
+                                                                host_ahead=True)
                     first = next(iter(ops), None)
                     if first and row.get("us:compile") and row.get(f"us:{first}"):
                         row["vs_compile"] = row["us:compile"] / row[f"us:{first}"]
@@ -157,6 +171,9 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
     if names:
         columns += [[f"spread:{names[0]}", f"{names[0]} IQR/median", ".2f"],
                     [f"bwd_bw:{names[0]}", f"{names[0]} bwd of BW", ".3f"]]
+    if any("bwd_floor_us" in r for r in rows):
+        columns += [["bwd_floor_us", "bwd floor us", ".1f"], ["bwd_floor_bw", "floor of BW", ".3f"],
+                    ["bwd_vs_floor", "bwd floor / bwd", ".2f"]]
     if is_cuda:
         columns += [[f"peak_less_grads:{n}", f"{n} MiB", ".1f"] for n in names]
     columns += [[f"bwd_op_us:{n}", f"{n} bwd op alone us", ".1f"] for n in backwards]
@@ -169,7 +186,8 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
     if is_cuda:
         notes.insert(0, "MiB: peak memory of one forward + backward step beyond what existed before it, less the "
                         "gradients it returns")
-    timing = ("plain launches, cold L2, median; forward and backward phases of the same steps" if is_cuda
+    timing = ("plain launches, cold L2, host ahead (a spin kernel before each step), median; forward and backward "
+              "phases of the same steps" if is_cuda
               else "wall time per step, median of batches; forward and backward phases of the same steps")
     return {"section": "train", "title": "attn_res forward + backward", "environment": environment(device),
             "limits": limits,
