@@ -169,15 +169,24 @@ def workspace(group_name: str, device: torch.device, min_bytes: int) -> Workspac
     # Peer loads only: no multicast object is created or used (see the module docstring).
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     import torch.distributed._symmetric_memory as symm_mem
+    from torch._C._distributed_c10d import _SymmetricMemory
 
     nbytes = max(_MIN_WORKSPACE_BYTES, 1 << (int(min_bytes) - 1).bit_length())  # powers of two: few regrowths
     with torch.cuda.device(key[1]):
-        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", key[1]))
+        # An allocation of its own (not symm_mem.empty's shared pool), so its signal pad is ours alone.
+        buffer = _SymmetricMemory.empty_strided_p2p((nbytes,), (1,), torch.uint8, torch.device("cuda", key[1]))
         handle = symm_mem.rendezvous(buffer, group_name)
         world = handle.world_size
+        # The handle's buffer pointers are its allocations' bases; the buffer sits at the same offset in every
+        # rank's allocation (identical allocations), so each peer's copy of it is base + that offset.
+        offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
+        if not 0 <= offset < handle.buffer_size:
+            raise RuntimeError(f"the symmetric buffer of group {group_name!r} lies outside its rendezvous "
+                               f"allocation: offset {offset}, allocation size {handle.buffer_size}")
         pad_slots = symm_mem.get_signal_pad_size() // 4
         ws = Workspace(group_name, handle.rank, world, nbytes, buffer, handle,
-                       torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=buffer.device),
+                       torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64,
+                                    device=buffer.device),
                        torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=buffer.device),
                        max(1, min(_MAX_PROGRAMS, pad_slots // world)))
     _WORKSPACES[key] = ws

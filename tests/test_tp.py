@@ -363,3 +363,14 @@ def test_gloo_groups(world):
 @pytest.mark.parametrize("world", [pytest.param(n, marks=_nccl_gpus(n), id=f"tp{n}") for n in (1, 2, 4, 8)])
 def test_nccl_groups(world):
     _spawn(world, "nccl", ["fused", "fallback", None], extras=True, timeout_s=540)
+
+
+def test_bench_section_without_several_gpus_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    from k3_ops.bench import cli
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    results = cli.main(["tp", "--out", str(tmp_path)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert lines == ["tp: needs several GPUs, one process each: torchrun --nproc-per-node N -m k3_ops.bench tp "
+                     "(N = 2, 4 or 8); skipped"]
+    assert "tp" not in results and not list(tmp_path.iterdir())
