@@ -148,7 +148,10 @@ class Workspace:
 
 
 _WORKSPACES: dict[tuple[str, int], Workspace] = {}
-_MAX_PROGRAMS = 256  # beyond it the rows per program, not the program count, carry larger messages
+# Program b of every rank must be resident at once for the barriers to complete: 128 programs of 8 warps fit on every
+# GPU with NVLink peers (108 SMs on an A100, 132 on an H100, several such programs per SM); beyond it each program
+# loops over more rows.
+_MAX_PROGRAMS = 128
 _MIN_WORKSPACE_BYTES = 1 << 20
 
 

@@ -15,8 +15,9 @@ rank's buffer mapped into every peer's address space) and a signal pad beside it
 
 Rows are dealt to programs round-robin (row t to program t % grid). The grid is a function of T and the world size
 only, so program b covers the same rows on every rank and a barrier between programs of the same index suffices
-(the blockwise barrier of torch's one-shot all-reduce, CUDASymmetricMemoryOps.cu). Signal pad slot
-``[b * world_size + src]`` of rank dst is the channel from program b of rank src to rank dst: 0 empty, 1
+(the blockwise barrier of torch's one-shot all-reduce, CUDASymmetricMemoryOps.cu); it needs program b of every rank
+resident at once, so the grid stays below what any GPU of the group holds together (k3_ops/tp.py caps it). Signal
+pad slot ``[b * world_size + src]`` of rank dst is the channel from program b of rank src to rank dst: 0 empty, 1
 signalled. A sender CASes 0 -> 1 (waiting while its previous signal there is unconsumed), a receiver CASes
 1 -> 0, so every slot is 0 again after each barrier and the same slots serve both barriers of every launch.
 
@@ -64,7 +65,7 @@ def tp_one_shot_all_reduce_kernel(partial_ptr, stride_pt, stride_ph, out_ptr, bu
     grid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_H)
     dtype = out_ptr.dtype.element_ty
-    local = tl.load(buffer_ptrs + rank).to(tl.pointer_type(dtype))
+    local = tl.load(buffer_ptrs + rank).to(out_ptr.dtype)  # out_ptr's type: a pointer to the I/O dtype
     if COPY:
         for t in range(pid, T, grid):
             for h0 in range(0, H, BLOCK_H):
@@ -79,10 +80,10 @@ def tp_one_shot_all_reduce_kernel(partial_ptr, stride_pt, stride_ph, out_ptr, bu
             mask = h < H
             # volatile: the peers' rows were written by other GPUs during this kernel; never serve them from a
             # cache line this SM may hold from before barrier A.
-            first = tl.load(buffer_ptrs).to(tl.pointer_type(dtype))
+            first = tl.load(buffer_ptrs).to(out_ptr.dtype)
             acc = tl.load(first + t * H + h, mask=mask, other=0.0, volatile=True).to(tl.float32)
             for r in tl.static_range(1, WORLD_SIZE):
-                peer = tl.load(buffer_ptrs + r).to(tl.pointer_type(dtype))
+                peer = tl.load(buffer_ptrs + r).to(out_ptr.dtype)
                 acc += tl.load(peer + t * H + h, mask=mask, other=0.0, volatile=True).to(tl.float32)
             tl.store(out_ptr + t * H + h, acc.to(dtype), mask=mask)
     _blockwise_barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE, "release", "relaxed")
