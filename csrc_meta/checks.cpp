@@ -631,6 +631,21 @@ Verdict fused_attn_res_full_rules(const at::Tensor& prefix_sum, const c10::optio
 }
 
 // Trace time: raise the violation as the matching Python exception type.
+// tp_all_reduce: a per-rank partial [T, H] of an I/O dtype and the name of the group that sums it.
+template <typename P>
+Verdict tp_all_reduce_rules(const at::Tensor& partial, const std::string& group_name) {
+  K3_VALUE_RULE(partial.dim() == 2, "partial must be 2-D [T, H], got a ", partial.dim(), "-D tensor of shape ",
+                shape_of<P>(partial));
+  K3_TYPE_RULE(is_io_dtype(partial.scalar_type()),
+               "partial.dtype must be one of torch.bfloat16, torch.float16, torch.float32, torch.float64, got ",
+               dtype_name(partial.scalar_type()));
+  K3_VALUE_RULE(P::gt(P::size(partial, 1), 0), "partial.size(1) (hidden size) must be > 0, got ",
+                P::str(P::size(partial, 1)));
+  K3_VALUE_RULE(!group_name.empty(), "group_name must name a process group (ProcessGroup.group_name), got ''");
+  return std::nullopt;
+}
+
+
 void raise(const Verdict& v) {
   if (!v) {
     return;
@@ -748,6 +763,14 @@ void check_fused_attn_res_full_args(const at::Tensor& prefix_sum, const c10::opt
   raise(fused_attn_res_full_rules<Symbolic>(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                             num_valid_blocks, eps, block_write_idx, out_norm_weight, out_norm_eps,
                                             return_mix, mix, sum_out));
+}
+
+Verdict tp_all_reduce_violation(const at::Tensor& partial, const std::string& group_name) {
+  return tp_all_reduce_rules<Concrete>(partial, group_name);
+}
+
+void check_tp_all_reduce_args(const at::Tensor& partial, const std::string& group_name) {
+  raise(tp_all_reduce_rules<Symbolic>(partial, group_name));
 }
 
 }  // namespace k3_ops

@@ -64,6 +64,8 @@ Verdict fused_attn_res_full_violation(const at::Tensor& prefix_sum, const c10::o
                                       int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
                                       c10::optional<double> out_norm_eps, bool return_mix, bool mix,
                                       const c10::optional<at::Tensor>& sum_out);
+// tp_all_reduce: partial 2-D [T, H] of an I/O dtype with H > 0, and a non-empty group name.
+Verdict tp_all_reduce_violation(const at::Tensor& partial, const std::string& group_name);
 
 // Trace time (Meta kernels): the same rules on symbolic sizes; raise the violation.
 void check_attn_res_args(const at::Tensor& prefix_sum, const at::Tensor& block_residual,
@@ -93,5 +95,6 @@ void check_fused_attn_res_full_args(const at::Tensor& prefix_sum, const c10::opt
                                     int64_t block_write_idx, const c10::optional<at::Tensor>& out_norm_weight,
                                     c10::optional<double> out_norm_eps, bool return_mix, bool mix,
                                     const c10::optional<at::Tensor>& sum_out);
+void check_tp_all_reduce_args(const at::Tensor& partial, const std::string& group_name);
 
 }  // namespace k3_ops

@@ -120,6 +120,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attn_res_full_meta(
           return_mix ? new_like_prefix(prefix_sum) : nothing()};
 }
 
+at::Tensor tp_all_reduce_meta(const at::Tensor& partial, c10::string_view group_name) {
+  check_tp_all_reduce_args(partial, std::string(group_name));
+  return new_like_prefix(partial);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kimi_k3, m) {
@@ -171,6 +176,11 @@ TORCH_LIBRARY(kimi_k3, m) {
       "Tensor proj_weight, int num_valid_blocks, float eps, int block_write_idx=-1, Tensor? out_norm_weight=None, "
       "float? out_norm_eps=None, *, ScalarType? out_dtype=None, bool round_mix=True) -> (Tensor out, Tensor scale)",
       {at::Tag::pt2_compliant_tag});
+  // Tensor parallelism: the sum over the ranks of group_name of every rank's partial [T, H], returned as a new
+  // contiguous [T, H] of partial's dtype on every rank (the addend of the serving call after a row-parallel
+  // layer). A schema of its own, so torch.compile and CUDA graphs see one opaque call whose kernel picks the
+  // one-shot symmetric-memory path or NCCL's all-reduce (k3_ops/tp.py); docs/tp.md.
+  m.def("tp_all_reduce(Tensor partial, str group_name) -> Tensor", {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(kimi_k3, Meta, m) {
@@ -180,6 +190,7 @@ TORCH_LIBRARY_IMPL(kimi_k3, Meta, m) {
   m.impl("fused_attn_res.quant", &fused_attn_res_quant_meta);
   m.impl("fused_attn_res.full", &fused_attn_res_full_meta);
   m.impl("fused_attn_res_", &fused_attn_res_inplace_meta);
+  m.impl("tp_all_reduce", &tp_all_reduce_meta);
 }
 
 }  // namespace k3_ops

@@ -77,6 +77,10 @@ py::object check_fused_attn_res_full(const at::Tensor& prefix_sum, const c10::op
                                                          out_norm_eps, return_mix, mix, sum_out));
 }
 
+py::object check_tp_all_reduce(const at::Tensor& partial, const std::string& group_name) {
+  return to_python(k3_ops::tp_all_reduce_violation(partial, group_name));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -109,6 +113,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("addend"), py::arg("block_residual"), py::arg("norm_weight"), py::arg("proj_weight"),
         py::arg("num_valid_blocks"), py::arg("eps"), py::arg("block_write_idx"), py::arg("out_norm_weight"),
         py::arg("out_norm_eps"), py::arg("return_mix"), py::arg("mix"), py::arg("sum_out"));
+  m.def("check_tp_all_reduce", &check_tp_all_reduce,
+        "First tp_all_reduce argument rule broken, as (is_type_error, message), or None", py::arg("partial"),
+        py::arg("group_name"));
 #ifdef K3_WITH_CUDA
   // The CUDA C++ kernels (csrc_cuda/), present only in builds against a CUDA torch with a CUDA toolkit.
   k3_ops::register_cuda_functions(m);

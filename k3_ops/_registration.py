@@ -219,6 +219,27 @@ _register_inference_op("fused_attn_res_", _fused_attn_res_inplace_cpu, _fused_at
                        _fused_attn_res_inplace_npu)
 
 
+# --- tp_all_reduce: the tensor-parallel sum of the serving call's addend (k3_ops/tp.py) ---------------------
+def _tp_all_reduce_cpu(partial, group_name):
+    _raise(_C.check_tp_all_reduce(partial, group_name))
+    from . import tp
+
+    return tp.fallback_all_reduce(partial, group_name)
+
+
+def _tp_all_reduce_cuda(partial, group_name):
+    _raise(_C.check_tp_all_reduce(partial, group_name))
+    from .backends import tp_cuda  # lazy: importing k3_ops never imports triton
+
+    return tp_cuda.tp_all_reduce(partial, group_name)
+
+
+# Bound straight to the CUDA key, never to the C++ launch cache (_impl_cuda): a collective must run on every call,
+# it cannot be replayed from a recorded launch. No NPU kernel: torch.distributed's HCCL all-reduce is the way there.
+_lib.impl("tp_all_reduce", _tp_all_reduce_cpu, "CPU")
+_lib.impl("tp_all_reduce", _tp_all_reduce_cuda, "CUDA")
+
+
 # --- attn_res_backward and autograd ---------------------------------------------------------------------
 def _attn_res_backward_cpu(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
                            output_mask):

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RULES", "ShardingRule", "placements_table", "REGISTERED"]
+__all__ = ["RULES", "ShardingRule", "placements_table", "REGISTERED", "COLLECTIVES"]
 
 REPLICATE, TOKEN = "replicate", "token"
 
@@ -124,6 +124,12 @@ RULES: tuple[ShardingRule, ...] = (
 
 # Overloads served by a DTensor kernel of their own instead of register_sharding (see the module docstring).
 _OWN_KERNEL = frozenset({"fused_attn_res_"})
+
+#: Collectives among the ops, which no placement rule describes. tp_all_reduce sums each rank's local partial over a
+#: process group; a DTensor already says what its local tensors sum to (Partial()), so on a DTensor the op returns
+#: that logical value replicated, through DTensor's own communication (an all-reduce of a Partial() dim, an
+#: all-gather of a Shard dim; nothing for a Replicate() one), and its group_name argument is not used.
+COLLECTIVES = {"tp_all_reduce": "DTensor's own: all-reduce of each Partial() mesh dim, all-gather of each Shard one"}
 
 REGISTERED: dict[str, str] = {}  # overload -> how it was registered ("register_sharding" / "torch_dispatch")
 
@@ -341,6 +347,23 @@ def _inplace_dtensor_kernel(rule: ShardingRule, op):
     return kernel
 
 
+def _collective_dtensor_kernel(name: str):
+    """tp_all_reduce on a DTensor: its logical value, Replicate() on every mesh dim (see ``COLLECTIVES``)."""
+
+    def kernel(mode, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        partial = args[0] if args else (kwargs or {})["partial"]
+        if not isinstance(partial, DTensor):
+            raise NotImplementedError(f"kimi_k3::{name}: partial must be a DTensor here, got {type(partial).__name__}")
+        mesh = partial.device_mesh
+        out = partial.redistribute(mesh, [Replicate()] * mesh.ndim)
+        # A new tensor, as the op's schema promises (redistribute returns its input where nothing moves).
+        return out if out is not partial else out.clone()
+
+    return kernel
+
+
 def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
@@ -386,6 +409,10 @@ def _register() -> None:
         register_sharding(op)(partial(_strategy, rule, op))
         _cache_on_every_option(op)
         REGISTERED[rule.op] = "register_sharding"
+    for name in COLLECTIVES:
+        if hasattr(torch.ops.kimi_k3, name):
+            torch.library.register_torch_dispatch(_overload(name), DTensor, _collective_dtensor_kernel(name))
+            REGISTERED[name] = "register_torch_dispatch"
 
 
 _register()

@@ -7,9 +7,14 @@ PyTorch's own error. Every other rule (shapes, dtypes, devices, K, eps, overlaps
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
+
+from . import tp
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["attn_res", "apply_attn_res", "fused_attn_res", "fused_attn_res_", "fused_attn_res_full",
            "FusedAttnResOutputs", "warmup"]
@@ -76,6 +81,7 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
                    norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float, *,
                    block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
                    out_norm_eps: float | None = None, round_mix: bool = True, out_dtype: torch.dtype | None = None,
+                   tp_group: ProcessGroup | str | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The serving variant of :func:`attn_res`: residual add, block snapshot, mix and the following RMSNorm.
 
@@ -114,6 +120,10 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
             output rounded to the I/O dtype, ``scale = max(amax, 1e-10) / fp8_max`` per token (fp8_max 448 for
             e4m3fn, 224 for e4m3fnuz as vLLM uses), ``q = clamp(out / scale, -fp8_max, fp8_max)`` rounded to
             nearest even (``kimi_k3::fused_attn_res.quant``).
+        tp_group: None, or a ``torch.distributed`` ProcessGroup (or its group name) over which ``addend`` is this
+            rank's partial sum (tensor parallelism): the addend is then ``kimi_k3::tp_all_reduce(addend, group)``, the
+            sum over the ranks rounded to the I/O dtype (docs/tp.md), and every rank gets the same outputs. Call it
+            on every rank of the group with the same shapes. A group of one rank adds the partial as it is.
 
     Returns:
         ``(out, new_prefix)``: two new contiguous [T, H] tensors of ``prefix_sum.dtype``. new_prefix is the
@@ -124,6 +134,8 @@ def fused_attn_res(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block_
     training). Bad arguments raise before anything is written.
     """
     _require_fused(prefix_sum, addend, block_residual, norm_weight, proj_weight, out_norm_weight)
+    if tp_group is not None:
+        addend = tp.reduce_addend(addend, tp_group)
     if out_dtype is not None:
         return torch.ops.kimi_k3.fused_attn_res.quant(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                                        num_valid_blocks, eps, block_write_idx, out_norm_weight,
@@ -137,7 +149,7 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
                     norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int, eps: float, *,
                     block_write_idx: int = -1, out_norm_weight: torch.Tensor | None = None,
                     out_norm_eps: float | None = None, round_mix: bool = True, out_dtype: torch.dtype | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    tp_group: ProcessGroup | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The in-place serving call (``kimi_k3::fused_attn_res_``): :func:`fused_attn_res` with the running residual
     updated IN PLACE, as vLLM's Kimi K3 model keeps it::
 
@@ -156,8 +168,14 @@ def fused_attn_res_(prefix_sum: torch.Tensor, addend: torch.Tensor | None, block
         fp32 with an FP8 ``out_dtype``, else an empty [0] fp32 tensor. One kernel launch on CUDA and NPU, the
         in-place prefix store included; under torch.compile the mutation is functionalized and reinplaced (no
         copy of prefix_sum or the buffer).
+
+    With ``tp_group`` (tensor parallelism; see :func:`fused_attn_res`) ``addend`` is this rank's partial sum and
+    ``prefix_sum += all_reduce(addend)``: two launches on CUDA, the one-shot all-reduce over symmetric memory (or
+    NCCL's, by the size rule of k3_ops.tp) and this op; the caller's addend is never written.
     """
     _require_fused(prefix_sum, addend, block_residual, norm_weight, proj_weight, out_norm_weight)
+    if tp_group is not None:
+        addend = tp.reduce_addend(addend, tp_group)
     return torch.ops.kimi_k3.fused_attn_res_.default(prefix_sum, addend, block_residual, norm_weight, proj_weight,
                                                       num_valid_blocks, eps, block_write_idx, out_norm_weight,
                                                       out_norm_eps, out_dtype=out_dtype, round_mix=round_mix)

@@ -235,11 +235,38 @@ class Checks:
                  ("fused_attn_res_-snapshot", {"inplace": True, "snap": True, "norm": True}),
                  ("fused_attn_res_-fp8", {"inplace": True, "quant": True, "norm": True}),
                  ("fused_attn_res_-no_addend", {"inplace": True, "no_addend": True})]
+        for placement in ("partial", "shard", "replicate"):
+            self.record(f"tp_all_reduce-{placement}", lambda p=placement: self._tp_all_reduce(p))
         for layout in LAYOUTS:
             for mode in ("replicate", "token"):
                 for name, opts in cases:
                     self.record(f"{name}-{mode}-T{T}-{layout}", lambda n=name, o=opts, m=mode, lay=layout:
                                 self._serving(T, lay, m, o))
+
+    def _tp_all_reduce(self, placement: str) -> str:
+        """The collective on a DTensor: the logical value (for Partial(), the sum of every rank's local tensor),
+        replicated, a new tensor."""
+        DTensor, Partial, Replicate, Shard, distribute_tensor = _dist()
+        g = torch.Generator().manual_seed(11)
+        locals_ = [torch.randn(4, 8, generator=g).to(torch.bfloat16) for _ in range(self.world_size)]
+        mine = locals_[self.rank]
+        if placement == "partial":
+            dt = DTensor.from_local(mine, self.mesh, [Partial()], run_check=False)
+            want = torch.stack([x.float() for x in locals_]).sum(0)
+        else:
+            full = locals_[0]
+            dt = distribute_tensor(full, self.mesh, [Shard(0) if placement == "shard" else Replicate()])
+            want = full.float()
+        out = torch.ops.kimi_k3.tp_all_reduce(dt, "unused")
+        if tuple(out.placements) != (Replicate(),):
+            return f"placements {out.placements}, expected (Replicate(),)"
+        if out.to_local().data_ptr() == dt.to_local().data_ptr():
+            return "the output aliases the input"
+        try:
+            torch.testing.assert_close(out.to_local().float(), want, rtol=2e-2, atol=2e-2)
+        except AssertionError as e:
+            return str(e)
+        return ""
 
     def _serving(self, T: int, layout: str, mode: str, opts: dict) -> str:
         DTensor, Partial, Replicate, Shard, distribute_tensor = _dist()

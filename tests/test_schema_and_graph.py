@@ -45,8 +45,13 @@ class TestPinned(expecttest.TestCase):
             str(ops.fused_attn_res_.default._schema),
             """kimi_k3::fused_attn_res_(Tensor(a!) prefix_sum, Tensor? addend, Tensor(b!) block_residual, Tensor norm_weight, Tensor proj_weight, int num_valid_blocks, float eps, int block_write_idx=-1, Tensor? out_norm_weight=None, float? out_norm_eps=None, *, ScalarType? out_dtype=None, bool round_mix=True) -> (Tensor out, Tensor scale)""",  # noqa: E501
         )
+        self.assertExpectedInline(
+            str(ops.tp_all_reduce.default._schema),
+            """kimi_k3::tp_all_reduce(Tensor partial, str group_name) -> Tensor""",
+        )
         # The Meta kernels are C++ registrations on the same library, not Python fakes.
-        for name in ("attn_res", "attn_res_backward", "fused_attn_res", "fused_attn_res.quant", "fused_attn_res_"):
+        for name in ("attn_res", "attn_res_backward", "fused_attn_res", "fused_attn_res.quant", "fused_attn_res_",
+                     "tp_all_reduce"):
             self.assertTrue(torch._C._dispatch_has_kernel_for_dispatch_key(f"kimi_k3::{name}", "Meta"), name)
 
     def test_fx_graph_has_one_op_node_with_symbolic_tokens(self):

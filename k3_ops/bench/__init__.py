@@ -11,7 +11,9 @@ and a PNG per section). Sections, each a module with ``run(opts, timer, ops)``:
 * ``layer`` — a 24-layer decode step of fused calls captured as one CUDA graph, warm, and cold with a stand-in
   for the layers between its calls;
 * ``host`` — wall time per eager call beside ``torch.add`` and the same call's graph-replay time;
-* ``train`` — forward + backward, each phase of the same steps, peak memory.
+* ``train`` — forward + backward, each phase of the same steps, peak memory;
+* ``tp`` — the tensor-parallel serving call (all-reduce of the partial + ``fused_attn_res_``) beside NCCL's and
+  torch's symmetric-memory all-reduce + the op, under ``torchrun`` (one process per GPU); only when named.
 
 Commands: ``report`` writes docs/benchmarks.md from the main job's JSON in docs/data/ (``report``), ``plan`` draws
 the launch table (``plan``), ``variants`` times a launch-table cell's alternatives beside its entry

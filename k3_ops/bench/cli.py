@@ -9,12 +9,14 @@ from pathlib import Path
 import torch
 
 from ..devices import DEVICE_HELP, device_arg, require
-from . import full, fused, host, layer, mix, model, train, writer
+from . import full, fused, host, layer, mix, model, tp, train, writer
 from .common import DTYPES, L2_MODES, Ops, Options, k3_ops_ops
 from .timing import Timer
 
-SECTIONS = {"mix": mix, "fused": fused, "layer": layer, "host": host, "train": train, "model": model, "full": full}
-#: The main job's sections; "full" (fused_attn_res.full's call forms) runs only when named.
+SECTIONS = {"mix": mix, "fused": fused, "layer": layer, "host": host, "train": train, "model": model, "full": full,
+            "tp": tp}
+#: The main job's sections; "full" (fused_attn_res.full's call forms) and "tp" (tensor parallelism, under torchrun)
+#: run only when named.
 DEFAULT_SECTIONS = ["mix", "fused", "layer", "host", "train", "model"]
 COMMANDS = ("report", "plan", "variants")
 PROG = "python -m k3_ops.bench"
@@ -86,7 +88,9 @@ def parser() -> argparse.ArgumentParser:
                     "fused (fused_attn_res and fused_attn_res_ vs unfused), layer (a captured 24-layer decode step), "
                     "host (eager call cost), train (forward + backward), model (a Kimi-K3-shaped stack trained with "
                     "k3_ops and with the formula, torch.compile), full (fused_attn_res.full's call forms vs "
-                    "fused_attn_res; only when named); no section names all but full. Each writes "
+                    "fused_attn_res; only when named), tp (the tensor-parallel serving call vs NCCL's and torch's "
+                    "symmetric-memory all-reduce + fused_attn_res_; only when named, under torchrun with one process "
+                    "per GPU); no section names all but full and tp. Each writes "
                     "<section>.json, <section>.md (the table) and, for mix and fused, <section>.png under --out. "
                     "Commands: 'report' (docs/benchmarks.md from docs/data/*.json, or saved results as tables), "
                     "'plan' (the launch table as a picture), 'variants' (a launch-table cell's alternatives timed "
@@ -225,8 +229,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         results, written = {}, {}
         for name in args.sections or DEFAULT_SECTIONS:
             section_ops = ops if name in ("mix", "train") else {"k3_ops": ops["k3_ops"]}
-            results[name] = SECTIONS[name].run(opts, timer, section_ops)
-            written[name] = writer.write(results[name], args.out, formats=args.formats)
+            result = SECTIONS[name].run(opts, timer, section_ops)
+            if result is None:  # tp: not this rank's to write, or no several GPUs (it said so)
+                continue
+            results[name] = result
+            written[name] = writer.write(result, args.out, formats=args.formats)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:

@@ -2,7 +2,8 @@
 
 Without files it reads the main job's ``<section>.json`` (mix, fused, layer, host, train) and the public comparison
 (``public_*.json``: figures measured side by side with the public Kimi K3 kernels, named with their source and
-date) from ``--data`` and writes ``--out``: one header line (device, versions, commit), the method, one table per
+date) and the tensor-parallel runs (``tp_tp<N>.json``: the ``tp`` section under torchrun with N ranks) from
+``--data`` and writes ``--out``: one header line (device, versions, commit), the method, one table per
 section with each cell beside its floor, and the public figures with today's k3_ops cells beside them where
 today's device is of the same type. ``--check`` compares instead of writing (a doc edited by hand, or results
 changed without the doc, fail it). With files it prints each saved result's table as Markdown (``--plot DIR``:
@@ -396,6 +397,20 @@ def _public(public: dict, results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _tp(paths: list[Path]) -> list[str]:
+    """The tensor-parallel section: one table per ``tp_tp<N>.json`` (a ``tp`` section run under torchrun with N
+    ranks, copied there), or the command that makes them while there are none."""
+    lines = ["## Tensor parallelism (all-reduce of the partial + `fused_attn_res_`)", ""]
+    if not paths:
+        return lines + ["Not measured yet (no several-GPU run): `torchrun --nproc-per-node N -m k3_ops.bench tp` for "
+                        "N = 2, 4, 8 on one host, then copy each run's `tp.json` into the results directory "
+                        "as `tp_tp<N>.json`. "
+                        "Design and size rule: [tp.md](tp.md).", ""]
+    for path in paths:
+        lines += writer.render(json.loads(path.read_text()), "markdown").splitlines() + [""]
+    return lines
+
+
 def render_doc(data: Path) -> str:
     """docs/benchmarks.md's text from the results in ``data`` (at most ``MAX_LINES`` lines)."""
     results, public = load(data)
@@ -415,6 +430,7 @@ def render_doc(data: Path) -> str:
                 lines += [f"![{name}](data/{name}.png)", ""]
     for p in public:
         lines += _public(p, results)
+    lines += _tp(sorted(data.glob("tp_tp*.json")))
     text = "\n".join(lines).rstrip("\n") + "\n"
     count = text.count("\n")
     if count > MAX_LINES:

@@ -21,6 +21,8 @@
   training, debugging) sees. The only method on a CPU, where it is also the "graph" figure.
 * ``Timer.copy_bandwidth`` — bytes read + written per second of one large device-to-device copy: the ceiling for
   ops that only stream memory.
+* ``collective_graph_us`` — CUDA-graph replay of a call that communicates (tensor parallelism): a fixed number of
+  calls per graph on every rank, replays started after a barrier, the slowest rank's median.
 * ``Timer.graph_node_us`` — the per-node cost of a trivial one-kernel graph (a one-element add, graph replay):
   the floor under any captured kernel.
 
@@ -38,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Timer", "Spread", "synchronize", "cold_set_count", "l2_bytes", "COLD_FACTOR", "WIDE_SPREAD",
-           "DEFAULT_L2_BYTES"]
+__all__ = ["Timer", "Spread", "synchronize", "cold_set_count", "l2_bytes", "collective_graph_us", "COLD_FACTOR",
+           "WIDE_SPREAD", "DEFAULT_L2_BYTES"]
 
 #: The cold sets together exceed this many times the device's L2.
 COLD_FACTOR = 3.0
@@ -398,3 +400,39 @@ class Timer:
             if self.is_cuda:
                 torch.cuda.empty_cache()
         return self._limits
+
+
+def collective_graph_us(fn: Callable[[], object], group, device: torch.device, calls: int = 16,
+                        replays: int = 10) -> float:
+    """Per-call time (us) of ``fn``, a call that communicates over ``group``, on every rank of it: ``calls``
+    back-to-back calls captured in one CUDA graph (a fixed count, not one sized by timing as ``Timer.graph`` does,
+    so every rank captures the same collectives), the graph replayed ``replays`` times after a barrier, each
+    replay timed with CUDA events. Returns the slowest rank's median: a collective ends with its last rank. A
+    collective itself: call it on every rank with the same arguments."""
+    import torch.distributed as dist
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm calls on a side stream, as capture requires
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    samples = []
+    for i in range(replays + 1):
+        dist.barrier(group=group, device_ids=[device.index])
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i:  # the first replay warms the graph's first launch
+            samples.append(start.elapsed_time(end) * 1e3 / calls)
+    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    del graph
+    return float(slowest.item())
