@@ -358,8 +358,8 @@ def _collective_dtensor_kernel(name: str):
             raise NotImplementedError(f"kimi_k3::{name}: partial must be a DTensor here, got {type(partial).__name__}")
         mesh = partial.device_mesh
         out = partial.redistribute(mesh, [Replicate()] * mesh.ndim)
-        # A new tensor, as the op's schema promises (redistribute returns its input where nothing moves).
-        return out if out is not partial else out.clone()
+        # A new tensor, as the op's schema promises (where nothing moves, redistribute keeps the local tensor).
+        return out.clone() if out.to_local().data_ptr() == partial.to_local().data_ptr() else out
 
     return kernel
 

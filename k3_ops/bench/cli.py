@@ -187,7 +187,7 @@ def parse(argv: list[str], prog: str = PROG) -> argparse.Namespace:
         p.error(f"--formats must come from {', '.join(writer.FORMATS)}, got {bad[0]!r}")
     for name in args.sections or DEFAULT_SECTIONS:
         # A K above the buffer's capacity is the op's own error, raised mid-run; said here, before any timing.
-        capacity = args.capacity or SECTIONS[name].DEFAULTS["all"].get("capacity")
+        capacity = args.capacity or SECTIONS[name].DEFAULTS.get("all", {}).get("capacity")
         if args.blocks and capacity and max(args.blocks) > capacity:
             source = "--capacity" if args.capacity else f"{name}'s default capacity"
             p.error(f"--blocks must be <= the buffer capacity ({source} {capacity}), got {max(args.blocks)}")
