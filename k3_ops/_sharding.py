@@ -29,10 +29,12 @@ redistribution cost. On a mesh whose dimensions all get one mode (every 1-D mesh
 combination only; with mixed modes it offers both rows and DTensor picks (for ops with a written argument only when
 every argument already has the picked placements, so that no write can be redistributed away).
 
-fused_attn_res_ is the exception: DTensor treats every op whose name ends in "_" as a torch in-place op that returns
-its first argument, which this one (returning (out, scale)) is not. It gets a DTensor kernel of its own through
+fused_attn_res_ and fused_attn_res.full are the exceptions: DTensor treats every op whose name ends in "_" as a torch
+in-place op that returns its first argument, which fused_attn_res_ (returning (out, scale)) is not, and newer
+DTensor dispatchers (torch 2.15) take an op with a keyword-only written argument (.full's sum_out) for an out=
+variant and return that argument instead of the op's outputs. Each gets a DTensor kernel of its own through
 torch.library.register_torch_dispatch: the same rule data pick the placements, the other arguments are redistributed
-to them, and the op runs in place on the local shards of prefix_sum and block_residual.
+to them, and the op runs in place on the local shards of its written arguments.
 
 Importing this module registers everything; it does nothing (and raises nothing) where torch.distributed or DTensor
 is missing. docs/distributed.md's table is ``placements_table()``; tests/test_distributed.py checks it.
@@ -122,8 +124,10 @@ RULES: tuple[ShardingRule, ...] = (
                  written=("prefix_sum", "block_residual"), empty=_inplace_empty),
 )
 
-# Overloads served by a DTensor kernel of their own instead of register_sharding (see the module docstring).
-_OWN_KERNEL = frozenset({"fused_attn_res_"})
+# Overloads served by a DTensor kernel of their own instead of register_sharding (see the module docstring):
+# fused_attn_res_ (its name), and .full, whose keyword-only written sum_out makes newer DTensor dispatchers (torch
+# 2.15) take it for an out= variant and return its out arguments instead of its outputs.
+_OWN_KERNEL = frozenset({"fused_attn_res_", "fused_attn_res.full"})
 
 #: Collectives among the ops, which no placement rule describes. tp_all_reduce sums each rank's local partial over a
 #: process group; a DTensor already says what its local tensors sum to (Partial()), so on a DTensor the op returns
