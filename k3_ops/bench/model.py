@@ -5,9 +5,9 @@ docs/attn_res.md "Kimi K3 call schedule", with stand-in attention and MLP layers
 initial weights, data and optimizer, compiled with ``torch.compile(fullgraph=True)``, once with every mix through
 ``k3_ops.attn_res`` and once through the plain PyTorch formula (``k3_ops.reference.attn_res_reference``, what a model
 without k3_ops computes). Both train ``STEPS`` AdamW steps; the section reports each one's loss curve, the largest
-relative difference between the two curves (the pass rule: at most ``LOSS_RTOL``), the median step time
-(forward, backward and optimizer step; device time from CUDA events on a GPU, wall time on a CPU) and the peak memory
-one step allocates beyond the weights and optimizer state (GPU).
+difference between the two curves relative to the first step's loss (the pass rule: at most ``LOSS_RTOL``), the
+median step time (forward, backward and optimizer step; device time from CUDA events on a GPU, wall time on a CPU)
+and the peak memory one step allocates beyond the weights and optimizer state (GPU).
 
 Stand-ins: attention is its output projection (an H x H linear after the input RMSNorm), the MLP one expert's
 SwiGLU (H -> 2 x ``INTERMEDIATE`` -> H). Block size ``BLOCK_SIZE`` layers (Kimi K3 snapshots every 12 of its 93
@@ -41,8 +41,8 @@ INTERMEDIATE = 2048
 VOCAB = 1024
 STEPS = 6
 LR = 1e-3
-#: The pass rule: the two loss curves agree to this relative difference at every step. bf16 weights and activations
-#: (the GPU run) round differently along the two paths, a few bf16 ulps after six steps; FP32 (the CPU run) far less.
+#: The pass rule: at every step the two losses differ by at most this fraction of the first step's loss. bf16 weights
+#: and activations (the GPU run) round differently along the two paths; FP32 (the CPU run) far less.
 LOSS_RTOL = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-4, torch.float64: 1e-9}
 
 
@@ -171,7 +171,9 @@ def compare(hidden: int, layers: int, tokens: int, dtype: torch.dtype, device: t
         if device.type == "cuda":
             torch.cuda.empty_cache()
     a, b = out["k3_ops"][0], out["formula"][0]
-    out["max_rel_diff"] = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    # Relative to the first loss: the stack memorises its batch, and near a loss of 0 a per-step ratio would
+    # measure the rounding of two tiny numbers rather than a difference in training.
+    out["max_rel_diff"] = max(abs(x - y) for x, y in zip(a, b)) / max(abs(b[0]), 1e-12)
     return out
 
 
@@ -205,10 +207,11 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict | Non
             row["speedup"] = row["step_us:formula"] / row["step_us:k3_ops"]
             rows.append(row)
             if not row["passed"]:
-                notes.append(f"loss curves differ by {row['max_rel_diff']:.2e} at T={T} (rule: <= {rtol:.0e})")
+                notes.append(f"loss curves differ by {row['max_rel_diff']:.2e} of the first loss at T={T} "
+                             f"(rule: <= {rtol:.0e})")
     columns = [["T", "T", "d"], ["layers", "layers", "d"], ["step_us:k3_ops", "k3_ops step us", ".1f"],
                ["step_us:formula", "formula step us", ".1f"], ["speedup", "formula / k3_ops", ".2f"],
-               ["max_rel_diff", "max rel loss diff", ".2e"]]
+               ["max_rel_diff", "max loss diff / first loss", ".2e"]]
     if device.type == "cuda":
         columns += [["peak_mib:k3_ops", "k3_ops peak MiB", ".0f"], ["peak_mib:formula", "formula peak MiB", ".0f"]]
     else:

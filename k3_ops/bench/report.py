@@ -274,7 +274,7 @@ def _train(result: dict) -> list[str]:
 
 def _model(result: dict) -> list[str]:
     prm = result["params"]
-    head = ["T", "layers", "k3_ops step", "formula step", "formula / k3_ops", "max rel loss diff"]
+    head = ["T", "layers", "k3_ops step", "formula step", "formula / k3_ops", "max loss diff / first loss"]
     mib = any("peak_mib:k3_ops" in r for r in result["rows"])
     head += ["k3_ops MiB", "formula MiB"] if mib else []
     out = []
@@ -289,7 +289,8 @@ def _model(result: dict) -> list[str]:
             f"{prm.get('steps')} AdamW steps on one batch, `torch.compile(fullgraph=True)` ({prm.get('compile')}), "
             f"{prm.get('dtype')}, H = {prm.get('hidden')}, block size {prm.get('block_size')}, stand-in attention "
             f"(H x H) and expert MLP ({prm.get('intermediate')}), every mix through k3_ops or through the plain "
-            f"formula (autograd); pass rule: the loss curves within {prm.get('loss_rtol'):.0e} relative. Step: "
+            f"formula (autograd); pass rule: at every step the losses differ by at most {prm.get('loss_rtol'):.0e} "
+            f"of the first loss. Step: "
             f"forward + backward + optimizer, us ({prm.get('timing')}); MiB: peak of a step beyond weights and "
             f"optimizer state. k3_ops's losses: {curves}.", ""] + _table(head, out) + [""]
 
