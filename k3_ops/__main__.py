@@ -139,7 +139,7 @@ what it writes: the tables on stdout, and under the benchmark's --out (default b
   decode step), host (eager call cost), train (forward + backward) and model (a Kimi-K3-shaped stack trained
   with k3_ops and with the formula, also a check: the loss curves must agree). 'python -m k3_ops.bench report'
   makes docs/benchmarks.md from such files.
-how long: about 25 s on a 2-core x86-64 CPU (26 s measured, first run with an empty Inductor cache; 18 s once it
+how long: about 30 s on a 2-core x86-64 CPU (29 s measured, first run with an empty Inductor cache; 18 s once it
   is warm; small shapes through the reference formula: a smoke run of the benchmark, not a kernel benchmark,
   timed with 1 thread); about 3 minutes on one H100 (183 s at 4a04013: the lean grids, warm and cold L2;
   '-- --full' for the full grids, far longer); '-- --quick' for a smoke run.
