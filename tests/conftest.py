@@ -148,3 +148,24 @@ requires_interpreter = pytest.mark.skipif(
     "os.environ.get('TRITON_INTERPRET', '0') != '1'",
     reason="Triton interpreter tests run only where TRITON_INTERPRET=1 (set by conftest when there is no GPU); "
            "on a GPU machine the CUDA tests cover these launch policies on the device")
+
+
+# --- multi-process tests ----------------------------------------------------------------------------------------
+def spawn_bounded(fn, args: tuple, nprocs: int, timeout_s: float, what: str) -> None:
+    """Run ``fn(rank, *args)`` on ``nprocs`` spawned processes (torch.multiprocessing) and wait at most ``timeout_s``:
+    past it every rank still alive is killed and the test fails naming ``what``, so a hung collective never hangs
+    the suite. A rank that raises fails the test with its traceback (torch.multiprocessing's ProcessRaisedException)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{what} did not finish in {timeout_s:.0f} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()

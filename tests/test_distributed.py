@@ -15,7 +15,11 @@ import torch
 
 import k3_ops  # noqa: F401
 
+from conftest import spawn_bounded
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: A group that has not finished by then is killed and its test fails (a hung collective never hangs the suite).
+SPAWN_TIMEOUT_S = 300
 
 
 def _distributed_ok() -> tuple[bool, str]:
@@ -37,15 +41,13 @@ requires_gloo = pytest.mark.skipif("not __import__('test_distributed')._distribu
 
 
 def _spawn(world_size: int, groups: list[str], tmp_path) -> dict[int, dict[str, str]]:
-    import torch.multiprocessing as mp
-
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     import distributed_checks
 
     out = tmp_path / "reports"
     out.mkdir()
-    mp.start_processes(distributed_checks.worker, args=(world_size, str(tmp_path / "store"), str(out), groups),
-                       nprocs=world_size, join=True, start_method="spawn")
+    spawn_bounded(distributed_checks.worker, (world_size, str(tmp_path / "store"), str(out), groups), world_size,
+                  SPAWN_TIMEOUT_S, f"{groups} on {world_size} processes")
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)}
 
 
@@ -102,14 +104,12 @@ def test_docs_table_is_the_rule_data():
 def test_training_example_matches_one_process(tmp_path):
     """examples/train_dtensor.py on 4 processes (FSDP2 over dp=2, sequence / tensor parallel over tp=2, gloo): its
     loss curve equals the one-process model's within the example's stated tolerance, and the loss falls."""
-    import torch.multiprocessing as mp
-
     sys.path.insert(0, str(ROOT / "examples"))
     import train_dtensor
 
     out = tmp_path / "result.json"
-    mp.start_processes(train_dtensor.worker, args=(4, str(tmp_path / "store"), str(out)), nprocs=4, join=True,
-                       start_method="spawn")
+    spawn_bounded(train_dtensor.worker, (4, str(tmp_path / "store"), str(out)), 4, SPAWN_TIMEOUT_S,
+                  "the training example on 4 processes")
     result = json.loads(out.read_text())
     assert len(result["parallel"]) == len(result["single"]) == train_dtensor.STEPS
     assert result["worst_rel_diff"] <= train_dtensor.LOSS_RTOL, result

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from datetime import timedelta
 
 import pytest
@@ -26,7 +25,7 @@ import torch
 import k3_ops
 from k3_ops import tp
 
-from conftest import bits_equal, requires_interpreter
+from conftest import bits_equal, requires_interpreter, spawn_bounded
 
 OP = torch.ops.kimi_k3.tp_all_reduce.default
 
@@ -257,18 +256,9 @@ def _worker(rank: int, world: int, backend: str, store_path: str, plans: list, e
 
 def _spawn(world: int, backend: str, plans: list, extras: bool, timeout_s: float) -> None:
     """Run ``_worker`` on ``world`` spawned ranks; raise the first rank's failure; kill the ranks past the timeout."""
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_worker, args=(world, backend, os.path.join(tmp, "store"), plans, extras), nprocs=world,
-                       join=False)
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                pytest.fail(f"world size {world} ({backend}) did not finish in {timeout_s:.0f} s")
+        spawn_bounded(_worker, (world, backend, os.path.join(tmp, "store"), plans, extras), world, timeout_s,
+                      f"world size {world} ({backend})")
 
 
 # --------------------------------------------------------------------------------------------------------------
