@@ -258,3 +258,25 @@ def test_alias_checked_under_compile():
     with pytest.raises(Exception) as compiled:
         torch.compile(step, fullgraph=True, backend="aot_eager")(bank, addend)
     assert str(eager.value) in str(compiled.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+def test_alias_checked_during_graph_capture():
+    """CUDA-graph capture: an overlapping call raises before it launches anything, also after the same shapes and
+    strides were recorded without the overlap (the C++ replay keys tensors that share a storage)."""
+    bank = torch.randn(T, C, H, dtype=torch.bfloat16, device="cuda")
+    other = torch.randn(T, C, H, dtype=torch.bfloat16, device="cuda")
+    addend = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")
+    w = torch.ones(H, device="cuda")
+    for _ in range(3):  # recorded and replayed: prefix_sum a slot of another buffer
+        torch.ops.kimi_k3.fused_attn_res_(other[:, 1], addend, bank, w, w, 2, EPS)
+    torch.cuda.synchronize()
+    before = bank.clone()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match=r"^prefix_sum \(written in place\) must not share memory with "
+                                         r"block_residual\[:, :num_valid_blocks=2\]"):
+        with torch.cuda.graph(graph):
+            torch.ops.kimi_k3.fused_attn_res_(bank[:, 1], addend, bank, w, w, 2, EPS)
+    torch.cuda.synchronize()
+    assert bits_equal(bank, before)
