@@ -141,8 +141,9 @@ what it writes: the tables on stdout, and under the benchmark's --out (default b
   makes docs/benchmarks.md from such files.
 how long: about 30 s on a 2-core x86-64 CPU (29 s measured, first run with an empty Inductor cache; 18 s once it
   is warm; small shapes through the reference formula: a smoke run of the benchmark, not a kernel benchmark,
-  timed with 1 thread); about 3 minutes on one H100 (183 s at 4a04013: the lean grids, warm and cold L2;
-  '-- --full' for the full grids, far longer); '-- --quick' for a smoke run.
+  timed with 1 thread); about 5 minutes on one H100 (183 s at 4a04013, the lean grids, warm and cold L2, before
+  the training grid grew to 16 cells and the model section came: 25 s for 4 of the cells and 40 s in one H100 run
+  of theirs; '-- --full' for the full grids, far longer); '-- --quick' for a smoke run.
 success: each check prints what it compares and its rule, then one line per case ending 'ok' or 'FAIL'; the last
   lines name the files written, then 'ALL CHECKS PASSED' (exit status 0) or 'SOME CHECKS FAILED' (exit status 1).
   A device this machine lacks ends the job with one line saying what is missing, a bad option with the usage
