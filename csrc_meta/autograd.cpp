@@ -13,6 +13,7 @@
 // backward) raises a message that says what to use instead.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -112,14 +113,29 @@ class AttnResFunction : public torch::autograd::Function<AttnResFunction> {
         grad_out, prefix_sum, block_residual, norm_weight, proj_weight, ctx->saved_data["num_valid_blocks"].toInt(),
         ctx->saved_data["eps"].toDouble(), std::array<bool, 3>{need_prefix, need_blocks, need_norm || need_proj});
     at::Tensor grad_norm, grad_proj;
-    if (need_norm) {
-      grad_norm = (grad_w * proj_weight.reshape({-1}).to(grad_w.scalar_type())).to(norm_weight.scalar_type());
-    }
-    if (need_proj) {
-      grad_proj = (grad_w * norm_weight.to(grad_w.scalar_type()))
-                      .reshape_symint(proj_weight.sym_sizes())
-                      .to(proj_weight.scalar_type());
-    }
+    // The chain rule through w = norm_weight * proj_weight: each weight's gradient is grad_w times the other weight,
+    // an FP32 product rounded once to the weight's dtype. In a plain backward that is one mul.out kernel per
+    // weight, straight into a tensor of the weight's dtype (TensorIterator computes in the common FP32 and rounds
+    // on store: the bits of the FP32 product, then the cast). Where the backward is itself differentiated (grad
+    // mode on: out= ops have no derivative) or the tensors are subclasses (DTensor, FakeTensor under tracing: out=
+    // would need one of their kind), the same values as separate cast, product and cast; so too on devices other
+    // than CUDA and the CPU, whose out= kernels may not round a wider result on store (PrivateUse1).
+    const bool one_kernel = !at::GradMode::is_enabled() && (grad_w.is_cuda() || grad_w.is_cpu()) &&
+                            !at::isTensorSubclassLike(grad_w) &&
+                            !at::isTensorSubclassLike(norm_weight) && !at::isTensorSubclassLike(proj_weight);
+    const auto split = [&](const at::Tensor& weight, const at::Tensor& other) {
+      if (one_kernel) {
+        at::Tensor out = at::empty_symint(weight.sym_sizes(), weight.options());
+        at::Tensor flat = out.view({-1});
+        at::mul_out(flat, grad_w, other.reshape({-1}));
+        return out;
+      }
+      return (grad_w * other.reshape({-1}).to(grad_w.scalar_type()))
+          .reshape_symint(weight.sym_sizes())
+          .to(weight.scalar_type());
+    };
+    if (need_norm) grad_norm = split(norm_weight, proj_weight);
+    if (need_proj) grad_proj = split(proj_weight, norm_weight);
     return {need_prefix ? grad_p : at::Tensor(), need_blocks ? grad_b : at::Tensor(), grad_norm, grad_proj,
             at::Tensor(), at::Tensor()};
   }

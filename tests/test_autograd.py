@@ -93,13 +93,15 @@ def test_grads_against_float64_truth(sample: Sample, device: str):
     assert not any(bool(g.isnan().any()) for g in grads), "NaN-poisoned capacity leaked into a gradient"
 
 
+@pytest.mark.parametrize("create_graph", [False, True], ids=["one-kernel-split", "differentiable-split"])
 @pytest.mark.parametrize("sample", sample_params([SAMPLES[0], SAMPLES[2], SAMPLES[5]]))
-def test_autograd_is_the_backward_op_plus_chain_rule(sample: Sample, device: str):
+def test_autograd_is_the_backward_op_plus_chain_rule(sample: Sample, device: str, create_graph: bool):
     # Exactly: d prefix / d blocks are the op's outputs, d norm = dw * proj, d proj = dw * norm (compute dtype,
-    # then each cast to its parameter's dtype and shape). The incoming gradient is the expanded ones of
+    # then each cast to its parameter's dtype and shape), whether the split is one mul.out per weight (a plain
+    # backward) or separate differentiable ops (create_graph=True). The incoming gradient is the expanded ones of
     # out.sum() (stride 0 everywhere), which the kernels must read as it is or copy.
     args = sample.make(device, requires_grad=True)
-    FWD(*positional(args)).sum().backward()
+    FWD(*positional(args)).sum().backward(create_graph=create_graph)
     ones = torch.ones(sample.T, sample.H, dtype=sample.dtype, device=device)
     det = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     gp, gb, gw = BWD(ones, *positional(det), [True, True, True])
@@ -129,6 +131,27 @@ def test_saves_only_the_inputs():
     for name, t in zip(NAMES, saved):
         assert t.data_ptr() == args[name].data_ptr() and t.shape == args[name].shape, name
     out.sum().backward()
+
+
+def test_weight_gradients_are_one_kernel_each():
+    # The chain rule through w = norm_weight * proj_weight in a plain backward: one mul.out per weight straight
+    # into the weight's dtype (bf16 weights here), no separate casts (each a kernel launch on a GPU). Seen by the
+    # profiler (a dispatch mode would itself send the split down its subclass path).
+    sample = Sample(T=5, K=3, cap=4, H=16, dtype=torch.bfloat16)
+    args = sample.make("cpu")
+    args["norm_weight"], args["proj_weight"] = args["norm_weight"].bfloat16(), args["proj_weight"].bfloat16()
+    for name in NAMES:
+        args[name].requires_grad_(True)
+    out = FWD(*positional(args))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.sum().backward()
+    events = prof.events()
+    bwd_end = max(e.time_range.end for e in events if e.name == "kimi_k3::attn_res_backward")
+    # The ops the split calls itself (not those inside them: on a CPU, mul.out rounds through a temporary).
+    names = [e.name for e in events if e.time_range.start >= bwd_end
+             and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))]
+    assert names.count("aten::mul") == 2 and "aten::to" not in names, names
+    assert args["norm_weight"].grad.dtype == args["proj_weight"].grad.dtype == torch.bfloat16
 
 
 class _RecordBackwardCalls(TorchDispatchMode):
