@@ -169,3 +169,4 @@ def spawn_bounded(fn, args: tuple, nprocs: int, timeout_s: float, what: str) -> 
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+                p.join(5)  # reaped here, not left a zombie for the rest of the suite
