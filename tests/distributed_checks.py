@@ -365,6 +365,9 @@ def worker(rank: int, world_size: int, store_path: str, out_dir: str, groups: li
     except Exception:
         results = {"setup": traceback.format_exc()}
     finally:
+        # Every rank past its last collective before any tears the group down: gloo torn down while a peer's
+        # last message is in flight can abort the process.
+        dist.barrier()
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
