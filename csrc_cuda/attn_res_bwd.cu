@@ -4,15 +4,20 @@
 // then dv), and its bandwidth target needs the second read to come from on-chip memory. The Triton split reads
 // the inputs twice from DRAM; the Triton streaming kernel reads once but is issue-bound (docs/history.md,
 // "Backward (`attn_res_backward`)"). Here one program per SM walks a contiguous token range, each input row read
-// from DRAM once. Two layouts of the token's rows (the launch policy picks per K,
-// k3_ops/backends/cuda_plan.py SINGLE_READ_SMEM_MIN_K):
+// from DRAM once. Three layouts of the token's rows (the launch policy picks, k3_ops/backends/cuda_plan.py
+// backward_plan):
 //
-//   * register-resident (attn_res_bwd_single_read_kernel, 1 or 2 vectors per thread; the default for K <= 4):
-//     one token in registers while the next one streams into shared memory, as described below;
-//   * shared-memory-resident (attn_res_bwd_single_read_smem_kernel, the default from K = 5): the rows stay in
-//     shared memory and both passes read them from there, so a thread needs 64 registers and an SM runs twice the
-//     warps (at K = 8 the register layout fills 128 registers per thread, spills, and its 14 warps at H = 7168
-//     leave it latency-bound: docs/history.md, "Backward (`attn_res_backward`)").
+//   * ring (attn_res_bwd_ring_kernel, the default wherever it runs: H <= 7168): the rows sit in a shared-memory
+//     ring of as many row slots as fit, so that the rows of the tokens ahead stay in flight through each token's
+//     statistics, softmax and barriers; dw is kept in FP64 registers and, after a grid barrier (a cooperative
+//     launch), summed over the programs in the kernel itself;
+//   * register-resident (attn_res_bwd_single_read_kernel, 1 or 2 vectors per thread; below
+//     SINGLE_READ_SMEM_MIN_K where the ring does not run): one token in registers while the next one streams into
+//     shared memory, as described below;
+//   * shared-memory-resident (attn_res_bwd_single_read_smem_kernel, from K = 5 where the ring does not run): the
+//     rows stay in shared memory and both passes read them from there, so a thread needs 64 registers and an SM
+//     runs twice the warps (at K = 8 the register layout fills 128 registers per thread, spills, and its 14 warps
+//     at H = 7168 leave it latency-bound: docs/history.md, "Backward (`attn_res_backward`)").
 //
 // The register-resident kernel:
 //
@@ -33,6 +38,7 @@
 // DRAM traffic is the backward's own bytes: each input row is read once and each output row written once.
 #include "attn_res_bwd.h"
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -49,7 +55,14 @@ using device::warp_sum_transposed;
 constexpr int kWarpSize = 32;
 constexpr int kMaxThreads = 1024;
 constexpr int kElemsPerVector = 8;  // 16 bytes of a 16-bit dtype
-constexpr int kRowsPerGroup = 2;  // candidate rows per warp butterfly (6 of its 8 values: 8 partials live)
+constexpr int kRowsPerGroup = 2;
+
+// Doubles of one statistics buffer ([warps][3 * rows]), rounded up to an even count so that what follows it in shared
+// memory (the coefficients' float4s) starts on a 16-byte boundary at any warp count.
+__host__ __device__ constexpr int red_doubles(int nwarps, int maxr) { return (nwarps * 3 * maxr + 1) & ~1; }
+// The ring kernel's most threads (H <= 7168, Kimi K3's width): its 8 FP64 dw registers per thread fit the 72 registers
+// that 28 warps leave, without spills; at 32 warps (64 registers) it spills.
+constexpr int kRingMaxThreads = 896;  // candidate rows per warp butterfly (6 of its 8 values: 8 partials live)
 
 template <typename T>
 struct Pack;
@@ -379,7 +392,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) attn_res_bwd_single_read_smem_
   uint4* rows_s = reinterpret_cast<uint4*>(smem);
   double* dw_s = reinterpret_cast<double*>(rows_s + static_cast<size_t>(nrows) * nvec);
   double* red = dw_s + static_cast<size_t>(kElemsPerVector) * nvec;
-  float4* coef_s = reinterpret_cast<float4*>(red + nwarps * 3 * MAXR);
+  float4* coef_s = reinterpret_cast<float4*>(red + red_doubles(nwarps, MAXR));
 
   const int64_t t_begin = static_cast<int64_t>(blockIdx.x) * a.tokens_per_prog;
   const int64_t t_end = t_begin + a.tokens_per_prog < a.T ? t_begin + a.tokens_per_prog : a.T;
@@ -483,20 +496,241 @@ __global__ void __launch_bounds__(kMaxThreads, 1) attn_res_bwd_single_read_smem_
   }
 }
 
+
+// cp.async.wait_group takes its count as an immediate: one instantiation per count the ring kernel asks for.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_pending(int n) {
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    case 7: cp_async_wait<7>(); break;
+    case 8: cp_async_wait<8>(); break;
+    case 9: cp_async_wait<9>(); break;
+    case 10: cp_async_wait<10>(); break;
+    case 11: cp_async_wait<11>(); break;
+    case 12: cp_async_wait<12>(); break;
+    case 13: cp_async_wait<13>(); break;
+    default: cp_async_wait<0>(); break;  // never asked for: R <= kRingMaxRows and K + 2 >= 3
+  }
+}
+
+// The folded weight-gradient reduction (ring layout, a cooperative launch, after the grid barrier): program b sums
+// columns [b * per, (b + 1) * per) of the [grid, H] FP64 partials over the grid's rows and writes them to grad_weight
+// in FP32. Rows are split into `groups` interleaved sets per column (the threads a column gets), each summed in
+// four interleaved chains for independent loads, then the sets in order: a fixed order for a given grid and H, so the
+// bits repeat run to run. part: groups x columns doubles of shared memory (at most blockDim.x).
+__device__ __forceinline__ void reduce_weight_gradient(const SingleReadBwdArgs& a, double* part) {
+  const int nprog = static_cast<int>(gridDim.x);
+  const int64_t per = (a.H + nprog - 1) / nprog;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * per;
+  const int ncols = static_cast<int>(c0 < a.H ? (a.H - c0 < per ? a.H - c0 : per) : 0);
+  if (ncols == 0) return;
+  const int groups = ncols >= static_cast<int>(blockDim.x) ? 1 : static_cast<int>(blockDim.x) / ncols;
+  for (int i = threadIdx.x; i < groups * ncols; i += blockDim.x) {
+    const int g = i / ncols, col = i % ncols;
+    const double* src = a.workspace + c0 + col;
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    int p = g;
+    for (; p + 3 * groups < nprog; p += 4 * groups) {
+      const double x0 = __ldcg(src + static_cast<int64_t>(p) * a.H);
+      const double x1 = __ldcg(src + static_cast<int64_t>(p + groups) * a.H);
+      const double x2 = __ldcg(src + static_cast<int64_t>(p + 2 * groups) * a.H);
+      const double x3 = __ldcg(src + static_cast<int64_t>(p + 3 * groups) * a.H);
+      s0 += x0;
+      s1 += x1;
+      s2 += x2;
+      s3 += x3;
+    }
+    for (; p < nprog; p += groups) s0 += __ldcg(src + static_cast<int64_t>(p) * a.H);
+    const double total = (s0 + s1) + (s2 + s3);
+    if (groups == 1) {
+      a.grad_weight[c0 + col] = static_cast<float>(total);
+    } else {
+      part[g * ncols + col] = total;
+    }
+  }
+  if (groups == 1) return;
+  __syncthreads();
+  for (int col = threadIdx.x; col < ncols; col += blockDim.x) {
+    double total = 0.0;
+    for (int g = 0; g < groups; ++g) total += part[g * ncols + col];
+    a.grad_weight[c0 + col] = static_cast<float>(total);
+  }
+}
+
+// Ring layout (vectors_per_thread = kRingLayout): the shared-memory-resident kernel's arithmetic over a ring of
+// R >= K + 2 row slots (as many as the device's shared memory holds, up to kRingMaxRows), so that up to R - (K + 2)
+// rows of the tokens ahead stay in flight while a token's statistics, softmax and barriers run. The program's rows
+// form one sequence (token-major: grad_out, the prefix, v_0 .. v_{K-1}), row s in slot s mod R. Every thread copies
+// and reads only its own 16-byte vector of each slot, one cp.async group per row: when it has consumed row s
+// (grad_out once unpacked, a candidate once its dv is computed) it issues row s + R into that slot and commits a
+// group (an empty one past the program's last row), so before token t exactly R + t (K + 2) groups are committed
+// and "all but the newest R - (K + 2) complete" means token t's rows have landed, with no barrier between threads.
+// dw lives in FP64 registers (the shared-memory kernel's FP64 [H] row would take four of the ring's slots).
+template <typename T, int MAXR>
+__global__ void __launch_bounds__(kRingMaxThreads, 1) attn_res_bwd_ring_kernel(SingleReadBwdArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  using P = Pack<T>;
+  const int tid = threadIdx.x;
+  const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
+  const int nwarps = blockDim.x / kWarpSize;
+  const int K = static_cast<int>(a.K);
+  const int nrows = K + 2;
+  const int R = a.ring_rows;
+  const int64_t H = a.H;
+  const int nvec = static_cast<int>(H / kElemsPerVector);
+  const int v = tid;
+  const bool active = v < nvec;
+  uint4* ring = reinterpret_cast<uint4*>(smem);
+  double* red = reinterpret_cast<double*>(ring + static_cast<size_t>(R) * nvec);
+  float4* coef_s = reinterpret_cast<float4*>(red + red_doubles(nwarps, MAXR));
+
+  const int64_t t_begin = static_cast<int64_t>(blockIdx.x) * a.tokens_per_prog;
+  const int64_t t_end = t_begin + a.tokens_per_prog < a.T ? t_begin + a.tokens_per_prog : a.T;
+  const bool compute_dw = a.workspace != nullptr;
+
+  // The issue cursor: the next row of the sequence to copy (token, row) and its slot.
+  int64_t issue_t = t_begin;
+  int issue_r = 0, issue_slot = 0;
+  const auto issue_next = [&]() {
+    if (issue_t < t_end && active)
+      cp_async16(&ring[issue_slot * nvec + v], reinterpret_cast<const uint4*>(input_row<T>(a, issue_t, issue_r)) + v);
+    cp_async_commit();
+    if (++issue_r == nrows) {
+      issue_r = 0;
+      ++issue_t;
+    }
+    if (++issue_slot == R) issue_slot = 0;
+  };
+  for (int i = 0; i < R; ++i) issue_next();
+
+  float w[kElemsPerVector];
+  double dw[kElemsPerVector];
+#pragma unroll
+  for (int e = 0; e < kElemsPerVector; ++e) {
+    const int64_t h = static_cast<int64_t>(v) * kElemsPerVector + e;
+    w[e] = active ? load_weight(a.norm_weight, a.nw_dtype, h) * load_weight(a.proj_weight, a.pw_dtype, h) : 0.f;
+    dw[e] = 0.0;
+  }
+
+  int base = 0;  // slot of token t's grad_out row
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    cp_async_wait_pending(R - nrows);  // this thread's copies of token t's rows have landed
+    const auto slot = [&](int r) { return base + r < R ? base + r : base + r - R; };
+    // grad_out stays packed (4 registers, unpacked where used: the 10-row variant spills with 8 floats).
+    const uint4 gyp = active ? ring[base * nvec + v] : make_uint4(0u, 0u, 0u, 0u);
+    issue_next();  // gy is in registers: its slot takes row s + R
+
+    // Pass 1, as in the other layouts, each row loaded from its slot when it is needed.
+#pragma unroll
+    for (int r0 = 1; r0 < MAXR; r0 += kRowsPerGroup) {
+      constexpr int kN = 8;
+      float part[kN];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) part[i] = 0.f;
+#pragma unroll
+      for (int dr = 0; dr < kRowsPerGroup; ++dr) {
+        const int r = r0 + dr;
+        if (r < MAXR && r < nrows) {
+          const uint4 u = active ? ring[slot(r) * nvec + v] : make_uint4(0u, 0u, 0u, 0u);
+          float* part3 = &part[3 * dr];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 x = P::unpack(word(u, j));
+            const float2 g = P::unpack(word(gyp, j));
+            part3[0] = fmaf(x.y, x.y, fmaf(x.x, x.x, part3[0]));
+            part3[1] = fmaf(x.y, w[2 * j + 1], fmaf(x.x, w[2 * j], part3[1]));
+            part3[2] = fmaf(x.y, g.y, fmaf(x.x, g.x, part3[2]));
+          }
+        }
+      }
+      store_group_totals<kN, MAXR>(part, lane, warp, r0, red);
+    }
+    __syncthreads();
+    if (warp == 0) {
+      const float3 c = softmax_backward_coefficients<MAXR>(red, nwarps, nrows, lane, H, a.eps);
+      if (lane + 1 < nrows) coef_s[lane + 1] = make_float4(c.x, c.y, c.z, 0.f);
+    }
+    __syncthreads();
+
+    // Pass 2: dv from the ring; each consumed slot takes its row R ahead at once.
+    float dwt[kElemsPerVector];
+#pragma unroll
+    for (int e = 0; e < kElemsPerVector; ++e) dwt[e] = 0.f;
+#pragma unroll
+    for (int r = 1; r < MAXR; ++r) {
+      if (r < nrows) {
+        const float4 c = coef_s[r];
+        if (active) {
+          const uint4 u = ring[slot(r) * nvec + v];
+          uint4 o;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 x = P::unpack(word(u, j));
+            const float2 g = P::unpack(word(gyp, j));
+            const float d0 = fmaf(-c.z, x.x, fmaf(c.y, w[2 * j], c.x * g.x));
+            const float d1 = fmaf(-c.z, x.y, fmaf(c.y, w[2 * j + 1], c.x * g.y));
+            set_word(o, j, P::pack(d0, d1));
+            dwt[2 * j] = fmaf(c.y, x.x, dwt[2 * j]);
+            dwt[2 * j + 1] = fmaf(c.y, x.y, dwt[2 * j + 1]);
+          }
+          void* out = r == 1 ? a.grad_prefix : a.grad_blocks;
+          if (out != nullptr) {
+            T* dst = r == 1 ? static_cast<T*>(out) + t * H : static_cast<T*>(out) + (t * a.C + (r - 2)) * H;
+            reinterpret_cast<uint4*>(dst)[v] = o;
+          }
+        }
+        issue_next();  // o depends on u: the slot's load has completed before the copy overwrites it
+      }
+    }
+    if (active) {
+#pragma unroll
+      for (int e = 0; e < kElemsPerVector; ++e) dw[e] += static_cast<double>(dwt[e]);
+      if (a.grad_blocks) {
+        for (int64_t c = K; c < a.C; ++c)
+          reinterpret_cast<uint4*>(static_cast<T*>(a.grad_blocks) + (t * a.C + c) * H)[v] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    base = slot(nrows % R);
+  }
+
+  if (compute_dw && active) {
+    double2* out = reinterpret_cast<double2*>(a.workspace + static_cast<int64_t>(blockIdx.x) * H +
+                                              static_cast<int64_t>(v) * kElemsPerVector);
+#pragma unroll
+    for (int e = 0; e < kElemsPerVector; e += 2) out[e / 2] = make_double2(dw[e], dw[e + 1]);
+  }
+  if (compute_dw && a.grad_weight != nullptr) {
+    // Every program's partials are written (the grid barrier orders them before the reads): each program sums its
+    // share of the columns over all programs' rows. The ring's slots are all consumed, so they hold the partials.
+    cooperative_groups::this_grid().sync();
+    reduce_weight_gradient(a, reinterpret_cast<double*>(smem));
+  }
+}
+
 int rows_variant(int64_t K) {
   const int64_t nrows = K + 2;
   return nrows <= 3 ? 3 : nrows <= 6 ? 6 : nrows <= kSingleReadMaxRows ? kSingleReadMaxRows : 0;
 }
 
-template <typename T, int VPT, int MAXR>
-cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
-  const int threads = single_read_threads(a.H, VPT);
-  const size_t smem = single_read_smem_bytes(a.K, a.H, a.io_dtype, VPT);
-  auto kernel = VPT == 0 ? attn_res_bwd_single_read_smem_kernel<T, MAXR>
-                         : attn_res_bwd_single_read_kernel<T, VPT == 0 ? 1 : VPT, MAXR>;
-  // More than 48 KB of dynamic shared memory needs an opt-in per function and device. Raised only when a launch
-  // needs more than before on this device, so that warmed-up launches (e.g. under CUDA-graph capture) make no
-  // such call. (Concurrent first launches from several host threads may both set it: harmless.)
+// More than 48 KB of dynamic shared memory needs an opt-in per function and device. Raised only when a launch
+// needs more than before on this device, so that warmed-up launches (e.g. under CUDA-graph capture) make no such
+// call. One record per kernel function (a template argument of its own). (Concurrent first launches from several
+// host threads may both set it: harmless.)
+template <auto kernel>
+cudaError_t raise_smem_limit(size_t smem) {
   constexpr int kMaxDevices = 64;
   static int opted_in[kMaxDevices] = {};
   int device = 0;
@@ -507,8 +741,62 @@ cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stre
     if (err != cudaSuccess) return err;
     if (device < kMaxDevices) opted_in[device] = static_cast<int>(smem);
   }
-  kernel<<<grid, threads, smem, stream>>>(a);
-  return cudaGetLastError();
+  return cudaSuccess;
+}
+
+// The ring's slot count on the current device: as many rows as its per-block shared-memory opt-in holds beside the
+// statistics, at most kRingMaxRows (read once per device).
+int ring_rows_on_device(int64_t K, int64_t H) {
+  constexpr int kMaxDevices = 64;
+  static int optin[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  int limit = device < kMaxDevices ? optin[device] : 0;
+  if (limit == 0) {
+    if (cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) return 0;
+    if (device < kMaxDevices) optin[device] = limit;
+  }
+  return ring_rows_for(K, H, static_cast<size_t>(limit));
+}
+
+template <typename T, int VPT, int MAXR>
+cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
+  if constexpr (VPT == kRingLayout) {
+    SingleReadBwdArgs ring = a;
+    ring.ring_rows = ring_rows_on_device(a.K, a.H);
+    if (ring.ring_rows < a.K + 2) return cudaErrorInvalidValue;
+    const int threads = single_read_threads(a.H, 1);
+    const size_t smem = ring_smem_bytes(a.K, a.H, ring.ring_rows);
+    constexpr auto kernel = attn_res_bwd_ring_kernel<T, MAXR>;
+    cudaError_t err = raise_smem_limit<kernel>(smem);
+    if (err != cudaSuccess) return err;
+    if (a.grad_weight == nullptr) {
+      kernel<<<grid, threads, smem, stream>>>(ring);
+      return cudaGetLastError();
+    }
+    // The folded reduction's grid barrier needs every program resident at once: a cooperative launch (one program
+    // per SM at most, so the grid always fits; the launch fails rather than hangs where it would not).
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute cooperative;
+    cooperative.id = cudaLaunchAttributeCooperative;
+    cooperative.val.cooperative = 1;
+    config.attrs = &cooperative;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, ring);
+  } else {
+    const int threads = single_read_threads(a.H, VPT);
+    const size_t smem = single_read_smem_bytes(a.K, a.H, a.io_dtype, VPT);
+    constexpr auto kernel = VPT == 0 ? attn_res_bwd_single_read_smem_kernel<T, MAXR>
+                                     : attn_res_bwd_single_read_kernel<T, VPT == 0 ? 1 : VPT, MAXR>;
+    cudaError_t err = raise_smem_limit<kernel>(smem);
+    if (err != cudaSuccess) return err;
+    kernel<<<grid, threads, smem, stream>>>(a);
+    return cudaGetLastError();
+  }
 }
 
 template <typename T, int VPT>
@@ -524,31 +812,56 @@ cudaError_t launch_rows(const SingleReadBwdArgs& a, int grid, cudaStream_t strea
 template <typename T>
 cudaError_t launch_vpt(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
   if (a.vectors_per_thread == 0) return launch_rows<T, 0>(a, grid, stream);
+  if (a.vectors_per_thread == kRingLayout) return launch_rows<T, kRingLayout>(a, grid, stream);
   return a.vectors_per_thread == 1 ? launch_rows<T, 1>(a, grid, stream) : launch_rows<T, 2>(a, grid, stream);
 }
 
 }  // namespace
 
 int single_read_threads(int64_t H, int vectors_per_thread) {
-  if (H <= 0 || H % kElemsPerVector != 0 || vectors_per_thread < 0 || vectors_per_thread > 2) return 0;
-  if (vectors_per_thread == 0) vectors_per_thread = 1;  // the shared-memory-resident variant: one vector each
+  if (H <= 0 || H % kElemsPerVector != 0 || vectors_per_thread < 0 || vectors_per_thread > kRingLayout) return 0;
+  const bool ring = vectors_per_thread == kRingLayout;
+  // The shared-memory-resident layouts: one vector each.
+  if (vectors_per_thread == 0 || vectors_per_thread == kRingLayout) vectors_per_thread = 1;
   const int64_t nvec = H / kElemsPerVector;
   const int64_t threads = (nvec + vectors_per_thread - 1) / vectors_per_thread;
   const int64_t rounded = (threads + kWarpSize - 1) / kWarpSize * kWarpSize;
-  return rounded <= kMaxThreads / vectors_per_thread ? static_cast<int>(rounded) : 0;
+  const int64_t most = ring ? kRingMaxThreads : kMaxThreads / vectors_per_thread;
+  return rounded <= most ? static_cast<int>(rounded) : 0;
+}
+
+size_t ring_smem_bytes(int64_t K, int64_t H, int ring_rows) {
+  const int threads = single_read_threads(H, kRingLayout);
+  const int maxr = rows_variant(K);
+  if (threads == 0 || maxr == 0 || K < 1 || ring_rows < K + 2) return 0;
+  const size_t nvec = static_cast<size_t>(H / kElemsPerVector);
+  return static_cast<size_t>(ring_rows) * nvec * 16 + red_doubles(threads / kWarpSize, maxr) * sizeof(double) +
+         static_cast<size_t>(maxr) * 16;
+}
+
+int ring_rows_for(int64_t K, int64_t H, size_t smem_limit) {
+  const size_t fixed = ring_smem_bytes(K, H, static_cast<int>(K + 2));
+  if (fixed == 0 || fixed > smem_limit) return 0;
+  const size_t row = static_cast<size_t>(H / kElemsPerVector) * 16;
+  const size_t rows = static_cast<size_t>(K + 2) + (smem_limit - fixed) / row;
+  return static_cast<int>(rows < static_cast<size_t>(kRingMaxRows) ? rows : kRingMaxRows);
 }
 
 size_t single_read_smem_bytes(int64_t K, int64_t H, IoDtype io_dtype, int vectors_per_thread) {
+  if (vectors_per_thread == kRingLayout)  // its least: one slot per row of a token (launches take what fits)
+    return io_dtype == IoDtype::kFloat32 ? 0 : ring_smem_bytes(K, H, static_cast<int>(K + 2));
   const int threads = single_read_threads(H, vectors_per_thread);
   const int maxr = rows_variant(K);
   if (threads == 0 || maxr == 0 || K < 1 || io_dtype == IoDtype::kFloat32) return 0;
   const size_t nvec = static_cast<size_t>(H / kElemsPerVector);
-  const size_t red = static_cast<size_t>(threads / kWarpSize) * 3 * maxr * sizeof(double);
+  const size_t red = red_doubles(threads / kWarpSize, maxr) * sizeof(double);
   return (static_cast<size_t>(K) + 2) * nvec * 16 + kElemsPerVector * nvec * sizeof(double) +
          (vectors_per_thread == 0 ? red + maxr * 16 : 2 * red);
 }
 
 cudaError_t launch_single_read_bwd(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
+  if (a.grad_weight != nullptr && (a.vectors_per_thread != kRingLayout || a.workspace == nullptr))
+    return cudaErrorInvalidValue;
   if (grid <= 0 || single_read_smem_bytes(a.K, a.H, a.io_dtype, a.vectors_per_thread) == 0) return cudaErrorInvalidValue;
   return a.io_dtype == IoDtype::kBFloat16 ? launch_vpt<__nv_bfloat16>(a, grid, stream)
                                           : launch_vpt<__half>(a, grid, stream);

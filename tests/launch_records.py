@@ -86,6 +86,8 @@ def fake_single_read_smem(K: int, H: int, element_size: int, vectors_per_thread:
     if element_size != 2 or not 1 <= K <= 8 or H % 8 or H > 8192:
         return 0
     nvec = H // 8
+    if vectors_per_thread == 3:  # the ring layout: H <= 7168, its least (one slot per row of a token)
+        return (K + 2) * nvec * 16 + 3072 if H <= 7168 else 0
     return (K + 2) * nvec * 16 + 8 * nvec * 8 + (1024 if vectors_per_thread == 0 else 2048)
 
 

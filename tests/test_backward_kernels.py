@@ -50,7 +50,9 @@ def policy_backward(policy: str, *args, **kw):
                   "cuda-stats-apply": dict(kernel="stats_apply", **small),
                   "cuda-single-read": dict(kernel="single_read"),
                   "cuda-single-read-v1": dict(kernel="single_read", vectors_per_thread=1),
-                  "cuda-single-read-smem": dict(kernel="single_read", vectors_per_thread=0)}
+                  "cuda-single-read-v2": dict(kernel="single_read", vectors_per_thread=2),
+                  "cuda-single-read-smem": dict(kernel="single_read", vectors_per_thread=0),
+                  "cuda-single-read-ring": dict(kernel="single_read", vectors_per_thread=3)}
         if policy in forced:
             kw = dict(kw, config=cuda.BackwardConfig(**forced[policy]))
         return cuda.attn_res_backward(*args, **kw)
@@ -168,13 +170,15 @@ def test_cuda_backward_plan_resolution():
 
 
 @pytest.mark.parametrize("fits, K, want", [
-    ({0, 2}, 8, 0), ({0, 2}, 5, 0), ({0, 2}, 4, 2), ({0, 2}, 1, 2),
+    ({0, 2, 3}, 8, 3), ({0, 2, 3}, 1, 3),  # the ring wherever it runs
+    ({0, 2}, 8, 0), ({0, 2}, 5, 0), ({0, 2}, 4, 2), ({0, 2}, 1, 2),  # no ring (H > 7168): by K
     ({2}, 8, 2), ({0}, 1, 0),  # the preferred layout does not fit: the other one
-    (set(), 8, None),  # neither: the Triton kernels
-], ids=["k8", "k5", "k4", "k1", "k8-no-smem-fit", "k1-no-reg-fit", "neither"])
+    (set(), 8, None),  # none: the Triton kernels
+], ids=["k8-ring", "k1-ring", "k8", "k5", "k4", "k1", "k8-no-smem-fit", "k1-no-reg-fit", "neither"])
 def test_single_read_layout_policy(fits: set, K: int, want):
-    """"auto" with vectors_per_thread None: the shared-memory layout from SINGLE_READ_SMEM_MIN_K on, the register
-    layout below, each falling back to the other where only that one fits; an explicit layout is never swapped.
+    """"auto" with vectors_per_thread None: the ring layout where it runs, else the shared-memory layout from
+    SINGLE_READ_SMEM_MIN_K on and the register layout below, each falling back to the other where only that one
+    fits; an explicit layout is never swapped.
     (The plan step on a described GPU whose shared memory holds exactly the layouts in ``fits``; the real check is
     test_cuda_single_read_kernel_is_built.)"""
     from k3_ops.backends import cuda_plan
@@ -184,7 +188,7 @@ def test_single_read_layout_policy(fits: set, K: int, want):
                                 single_read_smem=lambda K, H, size, vpt: 100 if vpt in fits else 2000)
     plan = cuda_plan.backward_plan(4096, K, 7168, gpu)
     assert (plan.kernel, plan.vectors_per_thread) == (("single_read", want) if want is not None else ("stats_apply", 0))
-    for vpt in (0, 1, 2):
+    for vpt in (0, 1, 2, 3):
         plan = cuda_plan.backward_plan(4096, K, 7168, gpu,
                                        cuda_plan.BackwardConfig(kernel="single_read", vectors_per_thread=vpt))
         assert plan.kernel == ("single_read" if vpt in fits else "stats_apply"), vpt
@@ -403,8 +407,11 @@ def test_cuda_single_read_kernel_is_built():
         pytest.skip("no CUDA toolkit (or K3_OPS_NO_CUDA=1): k3_ops was built without csrc_cuda/")
     assert _C.has_cuda_kernels, "k3_ops._C was built without the CUDA C++ kernels: rebuild with the toolkit"
     dev = torch.device("cuda")
-    for K in (1, 4, 5, 8):  # K3's rows: the layout measured fastest for each K (both fit the H200's opt-in)
+    for K in (1, 4, 5, 8):  # K3's rows: the ring layout at every K (it fits the H100's and H200's opt-in)
         plan = cuda.choose_backward_plan(4096, K, 7168, dev)
+        assert (plan.kernel, plan.vectors_per_thread) == ("single_read", cuda.RING_LAYOUT), (K, plan)
+    for K in (1, 8):  # wider than the ring's 896 threads: the layout measured fastest for each K
+        plan = cuda.choose_backward_plan(4096, K, 8000, dev)
         vpt = 0 if K >= cuda.SINGLE_READ_SMEM_MIN_K else 2
         assert (plan.kernel, plan.vectors_per_thread) == ("single_read", vpt), (K, plan)
     assert cuda.choose_backward_plan(4096, 9, 7168, dev).kernel == "stats_apply", "K <= 8 only"
@@ -419,7 +426,8 @@ def test_cuda_single_read_kernel_is_built():
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("policy", ["cuda-single-read", "cuda-single-read-v1", "cuda-single-read-smem"])
+@pytest.mark.parametrize("policy", ["cuda-single-read-v2", "cuda-single-read-v1", "cuda-single-read-smem",
+                                    "cuda-single-read-ring"])
 @pytest.mark.parametrize("sample", sample_params([
     Sample(T=300, K=1, cap=8, H=7168, dtype=torch.bfloat16),  # K = 1 at full capacity: 7 zero slots per token
     Sample(T=500, K=2, cap=3, H=1000, dtype=torch.float16),  # 125 vectors: a half-used thread pair, rows variant 6
@@ -429,16 +437,20 @@ def test_cuda_single_read_kernel_is_built():
     Sample(T=700, K=7, cap=8, H=8192, dtype=torch.float16),  # 1024 threads, the largest shared memory that fits
 ]))
 def test_cuda_single_read_contract(sample: Sample, policy: str):
-    """The CUDA C++ kernel (both thread layouts) on shapes beyond CUDA_CASES: each rows variant (K + 2 <= 3, 6,
-    10), a row width that leaves part of the last thread idle, block-major views, few tokens; zeros past K, no
-    NaN read from the NaN-poisoned capacity, the accuracy contract, identical bits run to run."""
+    """The CUDA C++ kernel (every layout: registers with 2 and 1 vectors per thread, shared memory, the ring) on
+    shapes beyond CUDA_CASES: each rows variant (K + 2 <= 3, 6, 10), a row width that leaves part of the last thread
+    idle, block-major views, few tokens (a ring that never fills), ring sizes that are no multiple of K + 2; zeros
+    past K, no NaN read from the NaN-poisoned capacity, the accuracy contract (the ring's in-kernel weight-gradient
+    reduction included), identical bits run to run. H = 8192 is past the ring's 896 threads: the plan falls back."""
     from k3_ops.backends import cuda
 
     args = sample.make("cuda")
     gy = grad_out_for(sample, "cuda")
-    vpt = {"cuda-single-read": 2, "cuda-single-read-v1": 1, "cuda-single-read-smem": 0}[policy]
+    vpt = {"cuda-single-read-v2": 2, "cuda-single-read-v1": 1, "cuda-single-read-smem": 0,
+           "cuda-single-read-ring": cuda.RING_LAYOUT}[policy]
     forced = cuda.BackwardConfig(kernel="single_read", vectors_per_thread=vpt)
-    assert cuda.choose_backward_plan(sample.T, sample.K, sample.H, gy.device, forced).kernel == "single_read"
+    runs = vpt != cuda.RING_LAYOUT or sample.H <= 7168  # the ring's 896 threads hold H <= 7168
+    assert (cuda.choose_backward_plan(sample.T, sample.K, sample.H, gy.device, forced).kernel == "single_read") == runs
     check_gpu_policy(policy, sample, gy, args)
 
 

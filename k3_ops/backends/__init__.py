@@ -159,7 +159,9 @@ class BackwardPlan:
     prefix_row_sum: "tiles" only: grad_prefix_sum's row taken out of the dv tile by an exact masked sum and stored
         through a plain row pointer (``attn_res_bwd_kernel``'s PREFIX_ROW_SUM: the form triton-ascend lowers).
     vectors_per_thread: "single_read" only: 0, the token's rows stay in shared memory (one 16-byte column vector
-        per thread and row); 1 or 2, they sit in registers, that many 16-byte vectors per thread and row.
+        per thread and row); 1 or 2, they sit in registers, that many 16-byte vectors per thread and row; 3
+        (``cuda_plan.RING_LAYOUT``), a shared-memory ring of row slots, the weight gradient reduced in the kernel
+        (no reduction launch).
     scalars_programs: "stats_apply" only: programs of ``attn_res_bwd_scalars_kernel`` (0: apply_programs x
         chunks), each walking a contiguous token range.
     reduce_options: launch options of the weight-gradient reduction (empty: launch_options). Its FP64 tiles

@@ -4,7 +4,7 @@ Their plan steps decide *how* to launch (a ``BackwardPlan``, backends/__init__.p
 tile, warps or Ascend options; ``cuda_plan.backward_plan``, ``npu_plan.backward_plan``); this module does what is
 identical on both devices: the trivial cases that never launch, output and workspace allocation, the stride
 arithmetic, and the launches of ``k3_ops.kernels.attn_res_bwd`` (the gradient kernel, or the CUDA C++ single-read
-kernel, then the fixed-order weight-gradient reduction).
+kernel, then the fixed-order weight-gradient reduction, which the single-read kernel's ring layout does itself).
 
 Memory: besides the outputs themselves, one workspace [num_programs, H] (fp64; fp32 without FP64), where
 num_programs is bounded by the device, not by T, and, only when grad_out's hidden dimension is not unit-stride
@@ -22,6 +22,7 @@ import triton
 from .. import reference
 from ..kernels import attn_res_bwd as _bwd
 from . import BackwardPlan, _launch, hidden_strided, next_power_of_2, prepare_weights, stride_vec
+from .cuda_plan import RING_LAYOUT
 
 __all__ = ["BackwardPlan", "trivial_attn_res_backward", "run_attn_res_backward", "REDUCE_BLOCK_P",
            "REDUCE_BLOCK_H"]
@@ -70,6 +71,7 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
     if not (want_prefix or want_blocks or want_w):
         return grad_prefix, grad_blocks, grad_w
 
+    folded = False
     # The gradient kernel's token ranges (for "stats_apply": the apply kernel's; the statistics kernel has its own).
     tokens_per_prog = triton.cdiv(T, max(1, min(plan.apply_programs or plan.num_programs, T)))
     programs = triton.cdiv(T, tokens_per_prog)  # every program gets at least one token
@@ -125,8 +127,10 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
         # CUDA C++ (csrc_cuda/attn_res_bwd.cu): every token read once; the launch policy checked its layout rules.
         from .. import _C
 
+        # The ring layout sums the weight gradient in the kernel (a cooperative launch): no reduction launch.
+        folded = want_w and plan.vectors_per_thread == RING_LAYOUT
         single_read = (gy, x, blocks, nw, pw, grad_prefix if want_prefix else None,
-                       grad_blocks if want_blocks else None, ws)
+                       grad_blocks if want_blocks else None, ws, grad_w if folded else None)
         _launch.launch_native("single_read", single_read, (K, tokens_per_prog, programs, plan.vectors_per_thread),
                               (eps,))
         _C.attn_res_bwd_single_read(*single_read, K, float(eps), tokens_per_prog, programs, plan.vectors_per_thread)
@@ -138,7 +142,7 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
         tiles_flags = dict(flags, DF=plan.df and not plan.acc64, PREFIX_ROW_SUM=plan.prefix_row_sum)
         _launch.launch(_bwd.attn_res_bwd_kernel, (programs,), args, {}, (plan, *tiles_flags.items()),
                        lambda: tiles_flags, ntensors=8, interpreted=interpreted)
-    if want_w:
+    if want_w and not (plan.kernel == "single_read" and folded):
         block = min(REDUCE_BLOCK_H, next_power_of_2(H))
         reduce_flags = dict(BLOCK_P=REDUCE_BLOCK_P, BLOCK_H=block, **dict(plan.reduce_options or plan.launch_options),
                             **compile_options)

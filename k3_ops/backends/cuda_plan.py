@@ -53,6 +53,7 @@ __all__ = [
     "SCALARS_PROGRAMS_PER_SM",
     "REDUCE_NUM_WARPS",
     "SINGLE_READ_SMEM_MIN_K",
+    "RING_LAYOUT",
     "single_read_supported",
     "single_read_layout_ok",
     "backward_plan",
@@ -341,8 +342,9 @@ class BackwardConfig:
     apply_warps, apply_stages, apply_programs_per_sm: "stats_apply" only: the same for its apply kernel.
     vectors_per_thread: "single_read" only: how a program holds the token's rows. 0: in shared memory, one 16-byte
         column vector per thread and row (H / 8 threads); 1 or 2: in registers, that many vectors per thread and
-        row (H / 8 / vectors_per_thread threads). None (default): 2 below SINGLE_READ_SMEM_MIN_K, 0 from there on;
-        either falls back to the other where its shared memory does not fit the device's opt-in.
+        row (H / 8 / vectors_per_thread threads); RING_LAYOUT: in a shared-memory ring of row slots, one vector per
+        thread (H <= 7168). None (default): RING_LAYOUT where it runs, else 2 below SINGLE_READ_SMEM_MIN_K and 0 from
+        there on, either falling back to the other where its shared memory does not fit the device's opt-in.
 
     Defaults: the fastest configurations timed (docs/kernels.md, "Backward"; docs/history.md,
     "Backward (`attn_res_backward`)"): the CUDA C++ single-read kernel wherever it runs; for the Triton kernels
@@ -381,8 +383,8 @@ class BackwardConfig:
         if self.kernel not in ("auto", "single_read", "tiles", "rows", "stats_apply"):
             raise ValueError("BackwardConfig.kernel must be 'auto', 'single_read', 'stats_apply', 'rows' or 'tiles', "
                              f"got {self.kernel!r}")
-        if self.vectors_per_thread not in (None, 0, 1, 2):
-            raise ValueError(f"BackwardConfig.vectors_per_thread must be 0, 1, 2 or None, got "
+        if self.vectors_per_thread not in (None, 0, 1, 2, RING_LAYOUT):
+            raise ValueError(f"BackwardConfig.vectors_per_thread must be 0, 1, 2, {RING_LAYOUT} or None, got "
                              f"{self.vectors_per_thread}")
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"BackwardConfig.num_stages must be >= 1 or None, got {self.num_stages}")
@@ -413,10 +415,15 @@ SCALARS_PROGRAMS_PER_SM = 16
 #: Warps of the weight-gradient reduction, whatever the gradient kernel's: its FP64 tiles want several.
 REDUCE_NUM_WARPS = 8
 
-#: "single_read" with vectors_per_thread None: the shared-memory-resident layout (0) from this K on, the
-#: register-resident one (2) below it. K + 2 rows of one vector pair each fill 128 registers from K = 5 (the
+#: "single_read" with vectors_per_thread None where the ring layout does not run (H > 7168): the shared-memory-resident
+#: layout (0) from this K on, the register-resident one (2) below it. K + 2 rows of one vector pair each fill 128 registers from K = 5 (the
 #: 10-row variant spills), where the register-resident program's warps (H / 16 threads) are too few to hide latency.
 SINGLE_READ_SMEM_MIN_K = 5
+
+#: "single_read" vectors_per_thread of the ring layout (csrc_cuda/attn_res_bwd.cu, attn_res_bwd_ring_kernel): the
+#: shared-memory-resident arithmetic over a ring of as many row slots as fit, so that the rows of the tokens ahead
+#: stay in flight through each token's statistics and barriers; H <= 7168. Preferred wherever it runs.
+RING_LAYOUT = 3
 
 #: The default backward launch configuration; benchmarks pass ``config=`` to ``attn_res_backward`` instead.
 BACKWARD_CONFIG = BackwardConfig()
@@ -424,10 +431,11 @@ BACKWARD_CONFIG = BackwardConfig()
 
 def single_read_supported(K: int, H: int, facts: DeviceFacts, element_size: int = 2,
                           vectors_per_thread: int = 2) -> bool:
-    """Whether the CUDA C++ single-read backward runs this shape on the device: a k3_ops build with the CUDA
-    sources, a GPU (not the interpreter) of compute capability 8.0+ whose per-block shared memory opt-in holds one
-    program's (the token's K + 2 rows plus an FP64 [H] row), 16-bit candidates, K <= 8, H % 8 == 0, H <= 8192. Row
-    layout is the call's: ``single_read_layout_ok``."""
+    """Whether the CUDA C++ single-read backward runs this shape on the device in this layout: a k3_ops build with
+    the CUDA sources, a GPU (not the interpreter) of compute capability 8.0+ whose per-block shared memory opt-in
+    holds one program's (the token's K + 2 rows, plus an FP64 [H] row except in the ring layout), 16-bit
+    candidates, K <= 8, H % 8 == 0, H <= 8192 (the ring: H <= 7168). Row layout is the call's:
+    ``single_read_layout_ok``."""
     if facts.interpreted or facts.single_read_smem is None or K < 1:
         return False
     smem = facts.single_read_smem(K, H, element_size, vectors_per_thread)
@@ -458,7 +466,7 @@ def backward_plan(T: int, K: int, H: int, facts: DeviceFacts, config: BackwardCo
     if kernel in ("auto", "single_read"):
         # The preferred layout for this K first, then the other one (their shared memory differs by a few
         # hundred bytes, so where one does not fit the other rarely does; the Triton kernels come next).
-        preferred = (0, 2) if K >= SINGLE_READ_SMEM_MIN_K else (2, 0)
+        preferred = (RING_LAYOUT,) + ((0, 2) if K >= SINGLE_READ_SMEM_MIN_K else (2, 0))
         for vpt in preferred if config.vectors_per_thread is None else (config.vectors_per_thread,):
             if single_read_supported(K, H, facts, element_size, vpt):
                 return BackwardPlan(num_programs=min(T, facts.num_sms), block_h=H, k_pad=k_pad, acc64=True,
