@@ -43,7 +43,6 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
-#include <cstdlib>
 
 #include "warp_reduce.h"
 
@@ -629,12 +628,6 @@ __global__ void __launch_bounds__(kRingMaxThreads, 1) attn_res_bwd_ring_kernel(S
   int base = 0;  // slot of token t's grad_out row
   for (int64_t t = t_begin; t < t_end; ++t) {
     cp_async_wait_pending(R - nrows);  // this thread's copies of token t's rows have landed
-    if (a.zeros_first && active && a.grad_blocks) {
-      // The exact zeros of the slots >= K depend on nothing: stored before the token's chain, they drain while
-      // it runs instead of joining pass 2's stores after it (at K = 1 they are 7 of a token's 9 stored rows).
-      for (int64_t c = K; c < a.C; ++c)
-        reinterpret_cast<uint4*>(static_cast<T*>(a.grad_blocks) + (t * a.C + c) * H)[v] = make_uint4(0u, 0u, 0u, 0u);
-    }
     const auto slot = [&](int r) { return base + r < R ? base + r : base + r - R; };
     // grad_out stays packed (4 registers, unpacked where used: the 10-row variant spills with 8 floats).
     const uint4 gyp = active ? ring[base * nvec + v] : make_uint4(0u, 0u, 0u, 0u);
@@ -705,7 +698,7 @@ __global__ void __launch_bounds__(kRingMaxThreads, 1) attn_res_bwd_ring_kernel(S
     if (active) {
 #pragma unroll
       for (int e = 0; e < kElemsPerVector; ++e) dw[e] += static_cast<double>(dwt[e]);
-      if (!a.zeros_first && a.grad_blocks) {
+      if (a.grad_blocks) {
         for (int64_t c = K; c < a.C; ++c)
           reinterpret_cast<uint4*>(static_cast<T*>(a.grad_blocks) + (t * a.C + c) * H)[v] = make_uint4(0u, 0u, 0u, 0u);
       }
@@ -771,9 +764,6 @@ cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stre
   if constexpr (VPT == kRingLayout) {
     SingleReadBwdArgs ring = a;
     ring.ring_rows = ring_rows_on_device(a.K, a.H);
-    // The zero rows' place, under test (K3_OPS_BWD_ZEROS_FIRST=1: before the token's chain; else after pass 2).
-    const char* first = std::getenv("K3_OPS_BWD_ZEROS_FIRST");
-    ring.zeros_first = first != nullptr && first[0] == '1';
     if (ring.ring_rows < a.K + 2) return cudaErrorInvalidValue;
     const int threads = single_read_threads(a.H, 1);
     const size_t smem = ring_smem_bytes(a.K, a.H, ring.ring_rows);

@@ -33,7 +33,6 @@ struct SingleReadBwdArgs {
   int vectors_per_thread;  // 0: rows in shared memory, one 16-byte vector per thread; 1 or 2: in registers;
                            // kRingLayout: a shared-memory ring of row slots
   int ring_rows;           // kRingLayout: row slots (set by the launch from the device's shared memory)
-  int zeros_first;         // kRingLayout: the zero rows past K stored before the token's statistics (else after)
 };
 
 // vectors_per_thread of the ring layout (rows of the tokens ahead in flight through a ring of row slots).
