@@ -131,3 +131,17 @@ def test_report_refuses_a_page_over_its_limit_and_an_empty_directory(tmp_path, m
     monkeypatch.setattr(report, "MAX_LINES", 20)
     with pytest.raises(ValueError, match="more than 20: trim the grids"):
         report.render_doc(_write(tmp_path, _gpu_results("NVIDIA H100 80GB HBM3")))
+
+
+def test_training_table_says_which_reference_failed_where():
+    # A reference that raised in some cells (torch 2.11's Inductor on the formula at K = 2 and 4) leaves "-" there:
+    # the page names the reference, its cells and the error, one line per (reference, error); other notes stay out.
+    notes = ["MiB: peak memory of one forward + backward step",
+             "compile failed at token-major T=1024 K=2: InductorError: AssertionError: ",
+             "compile failed at token-major T=4096 K=4: InductorError: AssertionError: ",
+             "eager failed at token-major T=16384 K=8: OutOfMemoryError: CUDA out of memory"]
+    lines = report._failed_references(notes)
+    assert lines == ["-: the compile reference failed to run at T/K = 1024/2, 4096/4 (InductorError: AssertionError:).",
+                     "-: the eager reference failed to run at T/K = 16384/8 (OutOfMemoryError: CUDA out of memory).",
+                     ""]
+    assert report._failed_references(notes[:1]) == []

@@ -279,7 +279,20 @@ def _train(result: dict) -> list[str]:
                  "backward phase of the same steps")
     note += "; MiB: peak beyond the inputs, less the gradients" if mib else ""
     return ["## Training step (forward + backward, gradients of all four inputs)", "", note + ":", ""] \
-        + _table(head, out) + [""]
+        + _table(head, out) + [""] + _failed_references(result.get("notes", []))
+
+
+def _failed_references(notes: list[str]) -> list[str]:
+    """One line per reference that failed to run in some cells (its cells read "-"): which, where, the error."""
+    import re
+
+    failed: dict[tuple[str, str], list[str]] = {}
+    for n in notes:
+        m = re.match(r"(\w+) failed at \S+ T=(\d+) K=(\d+): (.*)", n)
+        if m:
+            failed.setdefault((m.group(1), m.group(4).strip()), []).append(f"{m.group(2)}/{m.group(3)}")
+    return [f"-: the {ref} reference failed to run at T/K = {', '.join(cells)} ({error})." for (ref, error), cells
+            in failed.items()] + ([""] if failed else [])
 
 
 def _model(result: dict) -> list[str]:
