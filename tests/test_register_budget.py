@@ -201,9 +201,9 @@ def test_cuda_cpp_backward_variants_compile_within_budget(cpp_budget):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_cuda_cpp_backward_default_variants_have_no_local_memory(cpp_budget, dtype, vpt, rows):
     # The register layout for K <= 4 (two vectors per thread), the shared-memory layouts at the same row counts
-    # (the ring's too, at 72 registers): no spills and no stack frame. A stack frame without spills is a register array indexed at run time (an
-    # unrolled-too-late loop, a select of two array elements), which puts the whole array in local memory: it
-    # happened twice while this kernel was written.
+    # (the ring's too, at 72 registers): no spills and no stack frame. A stack frame without spills is a register
+    # array indexed at run time (an unrolled-too-late loop, a select of two array elements), which puts the whole
+    # array in local memory: it happened twice while this kernel was written.
     r = cpp_budget[(dtype, vpt, rows)]
     assert r.get("stack", 0) == 0 and r.get("spill_stores", 0) == 0 and r.get("spill_loads", 0) == 0, r
 

@@ -416,8 +416,9 @@ SCALARS_PROGRAMS_PER_SM = 16
 REDUCE_NUM_WARPS = 8
 
 #: "single_read" with vectors_per_thread None where the ring layout does not run (H > 7168): the shared-memory-resident
-#: layout (0) from this K on, the register-resident one (2) below it. K + 2 rows of one vector pair each fill 128 registers from K = 5 (the
-#: 10-row variant spills), where the register-resident program's warps (H / 16 threads) are too few to hide latency.
+#: layout (0) from this K on, the register-resident one (2) below it. K + 2 rows of one vector pair each fill 128
+#: registers from K = 5 (the 10-row variant spills), where the register-resident program's warps (H / 16 threads)
+#: are too few to hide latency.
 SINGLE_READ_SMEM_MIN_K = 5
 
 #: "single_read" vectors_per_thread of the ring layout (csrc_cuda/attn_res_bwd.cu, attn_res_bwd_ring_kernel): the
