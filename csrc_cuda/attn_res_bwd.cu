@@ -55,14 +55,14 @@ using device::warp_sum_transposed;
 constexpr int kWarpSize = 32;
 constexpr int kMaxThreads = 1024;
 constexpr int kElemsPerVector = 8;  // 16 bytes of a 16-bit dtype
-constexpr int kRowsPerGroup = 2;
+constexpr int kRowsPerGroup = 2;  // candidate rows per warp butterfly (6 of its 8 values: 8 partials live)
 
 // Doubles of one statistics buffer ([warps][3 * rows]), rounded up to an even count so that what follows it in shared
 // memory (the coefficients' float4s) starts on a 16-byte boundary at any warp count.
 __host__ __device__ constexpr int red_doubles(int nwarps, int maxr) { return (nwarps * 3 * maxr + 1) & ~1; }
-// The ring kernel's most threads (H <= 7168, Kimi K3's width): its 8 FP64 dw registers per thread fit the 72 registers
-// that 28 warps leave, without spills; at 32 warps (64 registers) it spills.
-constexpr int kRingMaxThreads = 896;  // candidate rows per warp butterfly (6 of its 8 values: 8 partials live)
+// The ring kernel's most threads (H <= 7168, Kimi K3's width): with its eight FP64 dw values (16 registers) a thread
+// fits the 72 registers that 28 warps leave, without spills; at 32 warps (64 registers) it spills.
+constexpr int kRingMaxThreads = 896;
 
 template <typename T>
 struct Pack;
