@@ -365,9 +365,12 @@ def worker(rank: int, world_size: int, store_path: str, out_dir: str, groups: li
     except Exception:
         results = {"setup": traceback.format_exc()}
     finally:
-        # Every rank past its last collective before any tears the group down: gloo torn down while a peer's
-        # last message is in flight can abort the process.
+        # Every rank past its last collective before any leaves: a peer gone while a message is in flight fails it.
         dist.barrier()
-        dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
+    # Leave without tearing the process group and the interpreter down: their destructors now and then end both
+    # ranks in std::terminate ("terminate called without an active exception", SIGABRT) after every check has passed
+    # and been written, even with the barrier above and destroy_process_group (about 1 run in 10 of the suite on 2
+    # cores). The results are on disk; the test reads them, and a rank that died before writing them still fails it.
+    os._exit(0)
