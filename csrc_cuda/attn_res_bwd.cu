@@ -44,12 +44,17 @@
 
 #include <cmath>
 
+#include "cp_async.h"
 #include "warp_reduce.h"
 
 namespace k3_ops::cuda {
 namespace {
 
 using device::butterfly_index;
+using device::cp_async16;
+using device::cp_async_commit;
+using device::cp_async_wait_all;
+using device::cp_async_wait_dyn;
 using device::warp_sum_transposed;
 
 constexpr int kWarpSize = 32;
@@ -102,27 +107,6 @@ __device__ __forceinline__ float load_weight(const void* p, IoDtype dtype, int64
     case IoDtype::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
     default: return __half2float(static_cast<const __half*>(p)[i]);
   }
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-#if __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-#else
-  *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-#endif
 }
 
 __device__ __forceinline__ double warp_sum(double v) {
@@ -497,34 +481,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) attn_res_bwd_single_read_smem_
 }
 
 
-// cp.async.wait_group takes its count as an immediate: one instantiation per count the ring kernel asks for.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void cp_async_wait_pending(int n) {
-  switch (n) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    case 6: cp_async_wait<6>(); break;
-    case 7: cp_async_wait<7>(); break;
-    case 8: cp_async_wait<8>(); break;
-    case 9: cp_async_wait<9>(); break;
-    case 10: cp_async_wait<10>(); break;
-    case 11: cp_async_wait<11>(); break;
-    case 12: cp_async_wait<12>(); break;
-    case 13: cp_async_wait<13>(); break;
-    default: cp_async_wait<0>(); break;  // never asked for: R <= kRingMaxRows and K + 2 >= 3
-  }
-}
-
 // The folded weight-gradient reduction (ring layout, a cooperative launch, after the grid barrier): program b sums
 // columns [b * per, (b + 1) * per) of the [grid, H] FP64 partials over the grid's rows and writes them to grad_weight
 // in FP32. Rows are split into `groups` interleaved sets per column (the threads a column gets), each summed in
@@ -627,7 +583,7 @@ __global__ void __launch_bounds__(kRingMaxThreads, 1) attn_res_bwd_ring_kernel(S
 
   int base = 0;  // slot of token t's grad_out row
   for (int64_t t = t_begin; t < t_end; ++t) {
-    cp_async_wait_pending(R - nrows);  // this thread's copies of token t's rows have landed
+    cp_async_wait_dyn(R - nrows);  // this thread's copies of token t's rows have landed
     const auto slot = [&](int r) { return base + r < R ? base + r : base + r - R; };
     // grad_out stays packed (4 registers, unpacked where used: the 10-row variant spills with 8 floats).
     const uint4 gyp = active ? ring[base * nvec + v] : make_uint4(0u, 0u, 0u, 0u);

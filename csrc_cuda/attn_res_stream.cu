@@ -27,6 +27,7 @@
 
 #include "attn_res_cluster.h"
 #include "attn_res_vec.h"
+#include "cp_async.h"
 #include "kernel_launch.h"
 
 namespace k3_ops::cuda {
@@ -40,41 +41,6 @@ constexpr int kStreamCtasPerSm = 2;
 constexpr int kStreamWarps = kStreamThreads / 32;
 // cp.async.wait_group takes an immediate: ring sizes up to this many slots.
 constexpr int kStreamMaxSlots = 16;
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  // .cg: cached in L2 only; each row is read once.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Wait until at most `pending` of this thread's committed groups are still in flight.
-__device__ __forceinline__ void cp_async_wait_dyn(int pending) {
-  switch (pending) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    case 6: cp_async_wait<6>(); break;
-    case 7: cp_async_wait<7>(); break;
-    case 8: cp_async_wait<8>(); break;
-    case 9: cp_async_wait<9>(); break;
-    case 10: cp_async_wait<10>(); break;
-    case 11: cp_async_wait<11>(); break;
-    case 12: cp_async_wait<12>(); break;
-    case 13: cp_async_wait<13>(); break;
-    case 14: cp_async_wait<14>(); break;
-    default: cp_async_wait<15>(); break;
-  }
-}
 
 // The row sequence of one CTA: row j of its it-th token (t = blockIdx.x + it * gridDim.x) is block j (j < K), the
 // prefix (j = K) or the addend (j = K + 1).
