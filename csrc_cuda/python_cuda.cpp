@@ -205,8 +205,8 @@ void register_cuda_functions(py::module& m) {
         "gradient as per-program FP64 partials in workspace (and, given grad_weight, reduced into it in the kernel)",
         py::arg("grad_out"), py::arg("prefix"), py::arg("blocks"), py::arg("norm_weight"), py::arg("proj_weight"),
         py::arg("grad_prefix"), py::arg("grad_blocks"), py::arg("workspace"), py::arg("grad_weight"),
-        py::arg("num_valid_blocks"),
-        py::arg("eps"), py::arg("tokens_per_prog"), py::arg("grid"), py::arg("vectors_per_thread"));
+        py::arg("num_valid_blocks"), py::arg("eps"), py::arg("tokens_per_prog"), py::arg("grid"),
+        py::arg("vectors_per_thread"));
   m.def("attn_res_cluster_forward", &attn_res_cluster_forward,
         "The thread-block-cluster forward (csrc_cuda/attn_res_cluster.cu; cluster_size 1: the streaming forward, "
         "attn_res_stream.cu): attn_res of 16-bit rows into out, or a fused call (addend, new_prefix or the prefix "

@@ -71,7 +71,7 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
     if not (want_prefix or want_blocks or want_w):
         return grad_prefix, grad_blocks, grad_w
 
-    folded = False
+    folded = False  # the weight gradient reduced inside the gradient kernel (its ring layout)
     # The gradient kernel's token ranges (for "stats_apply": the apply kernel's; the statistics kernel has its own).
     tokens_per_prog = triton.cdiv(T, max(1, min(plan.apply_programs or plan.num_programs, T)))
     programs = triton.cdiv(T, tokens_per_prog)  # every program gets at least one token
@@ -142,7 +142,7 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
         tiles_flags = dict(flags, DF=plan.df and not plan.acc64, PREFIX_ROW_SUM=plan.prefix_row_sum)
         _launch.launch(_bwd.attn_res_bwd_kernel, (programs,), args, {}, (plan, *tiles_flags.items()),
                        lambda: tiles_flags, ntensors=8, interpreted=interpreted)
-    if want_w and not (plan.kernel == "single_read" and folded):
+    if want_w and not folded:  # the ring reduced it in its own launch
         block = min(REDUCE_BLOCK_H, next_power_of_2(H))
         reduce_flags = dict(BLOCK_P=REDUCE_BLOCK_P, BLOCK_H=block, **dict(plan.reduce_options or plan.launch_options),
                             **compile_options)
