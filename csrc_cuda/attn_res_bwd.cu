@@ -481,11 +481,34 @@ __global__ void __launch_bounds__(kMaxThreads, 1) attn_res_bwd_single_read_smem_
 }
 
 
+__device__ __forceinline__ void store_value(void* p, IoDtype dtype, int64_t i, float x) {
+  switch (dtype) {
+    case IoDtype::kFloat32: static_cast<float*>(p)[i] = x; break;
+    case IoDtype::kBFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;
+    default: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
+  }
+}
+
+// Column h of the weights' gradients from dw[h] (the folded weight's, summed over tokens in FP64): the chain rule
+// through w = norm_weight * proj_weight, each product in FP64, then rounded to FP32 and to the weight's dtype (as
+// the Triton reduction, attn_res_bwd_dw_reduce_kernel, does with an FP64 workspace).
+__device__ __forceinline__ void store_weight_gradients(const SingleReadBwdArgs& a, int64_t h, double total) {
+  if (a.grad_norm_weight != nullptr) {
+    const double other = load_weight(a.proj_weight, a.pw_dtype, h);
+    store_value(a.grad_norm_weight, a.nw_dtype, h, static_cast<float>(total * other));
+  }
+  if (a.grad_proj_weight != nullptr) {
+    const double other = load_weight(a.norm_weight, a.nw_dtype, h);
+    store_value(a.grad_proj_weight, a.pw_dtype, h, static_cast<float>(total * other));
+  }
+}
+
 // The folded weight-gradient reduction (ring layout, a cooperative launch, after the grid barrier): program b sums
-// columns [b * per, (b + 1) * per) of the [grid, H] FP64 partials over the grid's rows and writes them to grad_weight
-// in FP32. Rows are split into `groups` interleaved sets per column (the threads a column gets), each summed in
-// four interleaved chains for independent loads, then the sets in order: a fixed order for a given grid and H, so the
-// bits repeat run to run. part: groups x columns doubles of shared memory (at most blockDim.x).
+// columns [b * per, (b + 1) * per) of the [grid, H] FP64 partials over the grid's rows and writes the two weights'
+// gradients of them (store_weight_gradients). Rows are split into `groups` interleaved sets per column (the threads
+// a column gets), each summed in four interleaved chains for independent loads, then the sets in order: a fixed
+// order for a given grid and H, so the bits repeat run to run. part: groups x columns doubles of shared memory (at
+// most blockDim.x).
 __device__ __forceinline__ void reduce_weight_gradient(const SingleReadBwdArgs& a, double* part) {
   const int nprog = static_cast<int>(gridDim.x);
   const int64_t per = (a.H + nprog - 1) / nprog;
@@ -511,7 +534,7 @@ __device__ __forceinline__ void reduce_weight_gradient(const SingleReadBwdArgs& 
     for (; p < nprog; p += groups) s0 += __ldcg(src + static_cast<int64_t>(p) * a.H);
     const double total = (s0 + s1) + (s2 + s3);
     if (groups == 1) {
-      a.grad_weight[c0 + col] = static_cast<float>(total);
+      store_weight_gradients(a, c0 + col, total);
     } else {
       part[g * ncols + col] = total;
     }
@@ -521,7 +544,7 @@ __device__ __forceinline__ void reduce_weight_gradient(const SingleReadBwdArgs& 
   for (int col = threadIdx.x; col < ncols; col += blockDim.x) {
     double total = 0.0;
     for (int g = 0; g < groups; ++g) total += part[g * ncols + col];
-    a.grad_weight[c0 + col] = static_cast<float>(total);
+    store_weight_gradients(a, c0 + col, total);
   }
 }
 
@@ -668,7 +691,7 @@ __global__ void __launch_bounds__(kRingMaxThreads, 1) attn_res_bwd_ring_kernel(S
 #pragma unroll
     for (int e = 0; e < kElemsPerVector; e += 2) out[e / 2] = make_double2(dw[e], dw[e + 1]);
   }
-  if (compute_dw && a.grad_weight != nullptr) {
+  if (compute_dw && (a.grad_norm_weight != nullptr || a.grad_proj_weight != nullptr)) {
     // Every program's partials are written (the grid barrier orders them before the reads): each program sums its
     // share of the columns over all programs' rows. The ring's slots are all consumed, so they hold the partials.
     cooperative_groups::this_grid().sync();
@@ -726,7 +749,7 @@ cudaError_t launch_typed(const SingleReadBwdArgs& a, int grid, cudaStream_t stre
     constexpr auto kernel = attn_res_bwd_ring_kernel<T, MAXR>;
     cudaError_t err = raise_smem_limit<kernel>(smem);
     if (err != cudaSuccess) return err;
-    if (a.grad_weight == nullptr) {
+    if (a.grad_norm_weight == nullptr && a.grad_proj_weight == nullptr) {
       kernel<<<grid, threads, smem, stream>>>(ring);
       return cudaGetLastError();
     }
@@ -816,7 +839,8 @@ size_t single_read_smem_bytes(int64_t K, int64_t H, IoDtype io_dtype, int vector
 }
 
 cudaError_t launch_single_read_bwd(const SingleReadBwdArgs& a, int grid, cudaStream_t stream) {
-  if (a.grad_weight != nullptr && (a.vectors_per_thread != kRingLayout || a.workspace == nullptr))
+  if ((a.grad_norm_weight != nullptr || a.grad_proj_weight != nullptr) &&
+      (a.vectors_per_thread != kRingLayout || a.workspace == nullptr))
     return cudaErrorInvalidValue;
   if (grid <= 0 || single_read_smem_bytes(a.K, a.H, a.io_dtype, a.vectors_per_thread) == 0) return cudaErrorInvalidValue;
   return a.io_dtype == IoDtype::kBFloat16 ? launch_vpt<__nv_bfloat16>(a, grid, stream)

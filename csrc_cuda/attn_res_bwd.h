@@ -23,8 +23,11 @@ struct SingleReadBwdArgs {
   void* grad_prefix;        // [T, H] contiguous, or null (not written)
   void* grad_blocks;        // [T, C, H] contiguous, or null (not written)
   double* workspace;        // [grid, H] FP64 weight-gradient partials, or null (not computed)
-  float* grad_weight;       // [H] FP32: the partials reduced in the kernel (ring layout, cooperative launch), or
-                            // null (a separate reduction sums the workspace)
+  // The partials reduced in the kernel (ring layout, cooperative launch), times the other weight: [H] of the
+  // norm weight's dtype (nw_dtype) and of the proj weight's (pw_dtype), each or both null (not asked for); both
+  // null: a separate reduction sums the workspace.
+  void* grad_norm_weight;
+  void* grad_proj_weight;
   int64_t T, K, C, H;
   int64_t stride_gyt, stride_pt, stride_bt, stride_bc;  // in elements
   int64_t tokens_per_prog;  // program p walks tokens [p * tokens_per_prog, (p + 1) * tokens_per_prog)

@@ -307,7 +307,7 @@ void replay(const Recipe& r, c10::ArrayRef<c10::IValue> args, const at::Device& 
       const auto t = [&](int i) { return native_tensor(l.args[i], args, outputs, scratch); };
       const auto& n = l.native_ints;
       if (l.kind == Kind::kSingleRead) {
-        attn_res_bwd_single_read_launch(*t(0), *t(1), *t(2), *t(3), *t(4), t(5), t(6), t(7), t(8), n[0],
+        attn_res_bwd_single_read_launch(*t(0), *t(1), *t(2), *t(3), *t(4), t(5), t(6), t(7), t(8), t(9), n[0],
                                         l.native_floats[0], n[1], n[2], n[3]);
       } else {
         const auto& f = l.native_floats;
@@ -415,7 +415,7 @@ std::shared_ptr<const Recipe> parse_recipe(const py::handle& recipe, const std::
       for (const auto& a : l[1]) launch.args.push_back(arg_from(a));
       launch.native_ints = l[2].cast<std::vector<int64_t>>();
       launch.native_floats = l[3].cast<std::vector<double>>();
-      if (launch.args.size() != 9u || launch.native_ints.size() != (single ? 4u : 8u) ||
+      if (launch.args.size() != (single ? 10u : 9u) || launch.native_ints.size() != (single ? 4u : 8u) ||
           launch.native_floats.size() != (single ? 1u : 4u)) {
         return nullptr;
       }

@@ -10,13 +10,16 @@
 namespace k3_ops {
 
 // The single-read backward (attn_res_bwd.cu): gradients of one attn_res call; the weight gradient as per-program
-// FP64 partials in workspace, and (grad_weight given: the ring layout's folded reduction) summed into grad_weight.
+// FP64 partials in workspace, and (grad_norm_weight or grad_proj_weight given: the ring layout's folded reduction)
+// summed and multiplied by the other weight into those.
 void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tensor& prefix, const at::Tensor& blocks,
                                      const at::Tensor& norm_weight, const at::Tensor& proj_weight,
                                      const c10::optional<at::Tensor>& grad_prefix,
                                      const c10::optional<at::Tensor>& grad_blocks,
                                      const c10::optional<at::Tensor>& workspace,
-                                     const c10::optional<at::Tensor>& grad_weight, int64_t num_valid_blocks, double eps,
+                                     const c10::optional<at::Tensor>& grad_norm_weight,
+                                     const c10::optional<at::Tensor>& grad_proj_weight, int64_t num_valid_blocks,
+                                     double eps,
                                      int64_t tokens_per_prog, int64_t grid, int64_t vectors_per_thread);
 
 // The cluster forward (attn_res_cluster.cu): the plain op (addend, new_prefix, out_norm_weight and scale null,

@@ -45,7 +45,8 @@ void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tenso
                               const at::Tensor& norm_weight, const at::Tensor& proj_weight,
                               const c10::optional<at::Tensor>& grad_prefix,
                               const c10::optional<at::Tensor>& grad_blocks, const c10::optional<at::Tensor>& workspace,
-                              const c10::optional<at::Tensor>& grad_weight, int64_t num_valid_blocks, double eps,
+                              const c10::optional<at::Tensor>& grad_norm_weight,
+                              const c10::optional<at::Tensor>& grad_proj_weight, int64_t num_valid_blocks, double eps,
                               int64_t tokens_per_prog, int64_t grid, int64_t vectors_per_thread) {
   const int64_t T = blocks.size(0), C = blocks.size(1), H = blocks.size(2);
   TORCH_CHECK(prefix.is_cuda() && prefix.dim() == 2 && grad_out.dim() == 2, "attn_res_bwd_single_read: bad inputs");
@@ -71,10 +72,13 @@ void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tenso
   TORCH_CHECK(!workspace.has_value() || (workspace->scalar_type() == at::kDouble && workspace->is_contiguous() &&
                                          workspace->size(0) == grid && workspace->size(1) == H),
               "attn_res_bwd_single_read: workspace must be contiguous [grid, H] float64");
-  TORCH_CHECK(!grad_weight.has_value() || (workspace.has_value() && grad_weight->scalar_type() == at::kFloat &&
-                                           grad_weight->is_contiguous() && grad_weight->numel() == H &&
-                                           vectors_per_thread == kc::kRingLayout),
-              "attn_res_bwd_single_read: grad_weight must be contiguous [H] float32, with a workspace, ring layout");
+  const auto weight_grad_ok = [&](const c10::optional<at::Tensor>& grad, const at::Tensor& weight) {
+    return !grad.has_value() || (workspace.has_value() && grad->scalar_type() == weight.scalar_type() &&
+                                 grad->is_contiguous() && grad->numel() == H && vectors_per_thread == kc::kRingLayout);
+  };
+  TORCH_CHECK(weight_grad_ok(grad_norm_weight, norm_weight) && weight_grad_ok(grad_proj_weight, proj_weight),
+              "attn_res_bwd_single_read: a weight's gradient must be contiguous [H] of the weight's dtype, with a "
+              "workspace, ring layout");
 
   kc::SingleReadBwdArgs a{};
   a.grad_out = grad_out.data_ptr();
@@ -85,7 +89,8 @@ void attn_res_bwd_single_read_launch(const at::Tensor& grad_out, const at::Tenso
   a.grad_prefix = grad_prefix.has_value() ? grad_prefix->data_ptr() : nullptr;
   a.grad_blocks = grad_blocks.has_value() ? grad_blocks->data_ptr() : nullptr;
   a.workspace = workspace.has_value() ? workspace->data_ptr<double>() : nullptr;
-  a.grad_weight = grad_weight.has_value() ? grad_weight->data_ptr<float>() : nullptr;
+  a.grad_norm_weight = grad_norm_weight.has_value() ? grad_norm_weight->data_ptr() : nullptr;
+  a.grad_proj_weight = grad_proj_weight.has_value() ? grad_proj_weight->data_ptr() : nullptr;
   a.T = T;
   a.K = num_valid_blocks;
   a.C = C;
@@ -202,9 +207,11 @@ void register_cuda_functions(py::module& m) {
   register_launch_cache_functions(m);
   m.def("attn_res_bwd_single_read", &attn_res_bwd_single_read_launch,
         "The single-read CUDA backward (csrc_cuda/attn_res_bwd.cu): gradients of one attn_res call; the weight "
-        "gradient as per-program FP64 partials in workspace (and, given grad_weight, reduced into it in the kernel)",
+        "gradient as per-program FP64 partials in workspace (and, given grad_norm_weight or grad_proj_weight, reduced "
+        "in the kernel and multiplied by the other weight into them)",
         py::arg("grad_out"), py::arg("prefix"), py::arg("blocks"), py::arg("norm_weight"), py::arg("proj_weight"),
-        py::arg("grad_prefix"), py::arg("grad_blocks"), py::arg("workspace"), py::arg("grad_weight"),
+        py::arg("grad_prefix"), py::arg("grad_blocks"), py::arg("workspace"), py::arg("grad_norm_weight"),
+        py::arg("grad_proj_weight"),
         py::arg("num_valid_blocks"), py::arg("eps"), py::arg("tokens_per_prog"), py::arg("grid"),
         py::arg("vectors_per_thread"));
   m.def("attn_res_cluster_forward", &attn_res_cluster_forward,

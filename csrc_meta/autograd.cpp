@@ -7,13 +7,11 @@
 //
 // attn_res: saves only its four tensor inputs (the backward recomputes r, d and p per token instead of keeping
 // [T, K + 1, H] FP32 intermediates) and calls kimi_k3::attn_res_backward, asking only for the gradients some input
-// needs; the folded weight's gradient is split by the chain rule through w = norm_weight * proj_weight in the
-// compute dtype, then cast to each parameter's dtype and shape. Everything the backward does is an op call, so it
-// traces under torch.compile / AOTAutograd. attn_res_backward has no derivative: differentiating it (double
+// needs; that op returns each input's gradient in the input's shape and dtype (the two weights' included), so the
+// backward is that one op call and it traces under torch.compile / AOTAutograd. attn_res_backward has no derivative: differentiating it (double
 // backward) raises a message that says what to use instead.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/TensorSubclassLikeUtils.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -40,15 +38,16 @@ at::Tensor call_attn_res(const at::Tensor& prefix_sum, const at::Tensor& block_r
   return op.call(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attn_res_backward(
-    const at::Tensor& grad_out, const at::Tensor& prefix_sum, const at::Tensor& block_residual,
-    const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
-    std::array<bool, 3> output_mask) {
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Grads call_attn_res_backward(const at::Tensor& grad_out, const at::Tensor& prefix_sum,
+                             const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                             const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                             std::array<bool, 4> output_mask) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kimi_k3::attn_res_backward", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, int64_t, double, std::array<bool, 3>)>();
+                       .typed<Grads(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    const at::Tensor&, int64_t, double, std::array<bool, 4>)>();
   return op.call(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps, output_mask);
 }
 
@@ -57,11 +56,11 @@ class AttnResBackwardFunction : public torch::autograd::Function<AttnResBackward
   static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_out, const at::Tensor& prefix_sum,
                                const at::Tensor& block_residual, const at::Tensor& norm_weight,
                                const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
-                               std::array<bool, 3> output_mask) {
+                               std::array<bool, 4> output_mask) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [gp, gb, gw] = call_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
-                                               num_valid_blocks, eps, output_mask);
-    return {gp, gb, gw};
+    auto [gp, gb, gn, gj] = call_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
+                                                   num_valid_blocks, eps, output_mask);
+    return {gp, gb, gn, gj};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -74,10 +73,10 @@ class AttnResBackwardFunction : public torch::autograd::Function<AttnResBackward
 };
 
 bool records(std::initializer_list<const at::Tensor*> inputs);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_res_backward_autograd(
-    const at::Tensor& grad_out, const at::Tensor& prefix_sum, const at::Tensor& block_residual,
-    const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
-    std::array<bool, 3> output_mask);
+Grads attn_res_backward_autograd(const at::Tensor& grad_out, const at::Tensor& prefix_sum,
+                                 const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                 const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                 std::array<bool, 4> output_mask);
 
 class AttnResFunction : public torch::autograd::Function<AttnResFunction> {
  public:
@@ -109,35 +108,11 @@ class AttnResFunction : public torch::autograd::Function<AttnResFunction> {
                      &proj_weight = saved[3];
     // Through the op's own autograd (AttnResBackwardFunction where a graph is built, create_graph=True), so that a
     // second differentiation finds a node whose backward refuses clearly.
-    auto [grad_p, grad_b, grad_w] = attn_res_backward_autograd(
+    auto [grad_p, grad_b, grad_n, grad_j] = attn_res_backward_autograd(
         grad_out, prefix_sum, block_residual, norm_weight, proj_weight, ctx->saved_data["num_valid_blocks"].toInt(),
-        ctx->saved_data["eps"].toDouble(), std::array<bool, 3>{need_prefix, need_blocks, need_norm || need_proj});
-    at::Tensor grad_norm, grad_proj;
-    // The chain rule through w = norm_weight * proj_weight: each weight's gradient is grad_w times the other weight,
-    // an FP32 product rounded once to the weight's dtype. In a plain backward that is one mul.out kernel per
-    // weight, straight into a tensor of the weight's dtype (TensorIterator computes in the common FP32 and rounds
-    // on store: the bits of the FP32 product, then the cast). Where the backward is itself differentiated (grad
-    // mode on: out= ops have no derivative) or the tensors are subclasses (DTensor, FakeTensor under tracing: out=
-    // would need one of their kind), the same values as separate cast, product and cast; so too on devices other
-    // than CUDA and the CPU, whose out= kernels may not round a wider result on store (PrivateUse1).
-    const bool one_kernel = !at::GradMode::is_enabled() && (grad_w.is_cuda() || grad_w.is_cpu()) &&
-                            !at::isTensorSubclassLike(grad_w) &&
-                            !at::isTensorSubclassLike(norm_weight) && !at::isTensorSubclassLike(proj_weight);
-    const auto split = [&](const at::Tensor& weight, const at::Tensor& other) {
-      if (one_kernel) {
-        at::Tensor out = at::empty_symint(weight.sym_sizes(), weight.options());
-        at::Tensor flat = out.view({-1});
-        at::mul_out(flat, grad_w, other.reshape({-1}));
-        return out;
-      }
-      return (grad_w * other.reshape({-1}).to(grad_w.scalar_type()))
-          .reshape_symint(weight.sym_sizes())
-          .to(weight.scalar_type());
-    };
-    if (need_norm) grad_norm = split(norm_weight, proj_weight);
-    if (need_proj) grad_proj = split(proj_weight, norm_weight);
-    return {need_prefix ? grad_p : at::Tensor(), need_blocks ? grad_b : at::Tensor(), grad_norm, grad_proj,
-            at::Tensor(), at::Tensor()};
+        ctx->saved_data["eps"].toDouble(), std::array<bool, 4>{need_prefix, need_blocks, need_norm, need_proj});
+    return {need_prefix ? grad_p : at::Tensor(), need_blocks ? grad_b : at::Tensor(),
+            need_norm ? grad_n : at::Tensor(), need_proj ? grad_j : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -165,10 +140,10 @@ at::Tensor attn_res_autograd(const at::Tensor& prefix_sum, const at::Tensor& blo
   return AttnResFunction::apply(prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_res_backward_autograd(
-    const at::Tensor& grad_out, const at::Tensor& prefix_sum, const at::Tensor& block_residual,
-    const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
-    std::array<bool, 3> output_mask) {
+Grads attn_res_backward_autograd(const at::Tensor& grad_out, const at::Tensor& prefix_sum,
+                                 const at::Tensor& block_residual, const at::Tensor& norm_weight,
+                                 const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
+                                 std::array<bool, 4> output_mask) {
   if (!records({&grad_out, &prefix_sum, &block_residual, &norm_weight, &proj_weight})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks,
@@ -176,7 +151,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_res_backward_autograd(
   }
   auto outs = AttnResBackwardFunction::apply(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
                                              num_valid_blocks, eps, output_mask);
-  return {outs[0], outs[1], outs[2]};
+  return {outs[0], outs[1], outs[2], outs[3]};
 }
 
 // --- The inference ops (fused_attn_res, fused_attn_res.quant, fused_attn_res.full, fused_attn_res_) ------------

@@ -19,11 +19,6 @@
 namespace k3_ops {
 namespace {
 
-// FP64 inputs compute in FP64 (so gradcheck works); everything else in FP32.
-at::ScalarType compute_dtype(const at::Tensor& prefix_sum) {
-  return prefix_sum.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 at::Tensor new_like_prefix(const at::Tensor& prefix_sum, c10::optional<at::ScalarType> dtype = c10::nullopt) {
   // A new contiguous [T, H] tensor, whatever the strides of prefix_sum (of prefix_sum's dtype unless given).
   return at::empty_symint(prefix_sum.sym_sizes(), prefix_sum.options()
@@ -38,24 +33,26 @@ at::Tensor attn_res_meta(const at::Tensor& prefix_sum, const at::Tensor& block_r
   return new_like_prefix(prefix_sum);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_res_backward_meta(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_res_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& prefix_sum, const at::Tensor& block_residual,
     const at::Tensor& norm_weight, const at::Tensor& proj_weight, int64_t num_valid_blocks, double eps,
-    std::array<bool, 3> output_mask) {
+    std::array<bool, 4> output_mask) {
   check_attn_res_backward_args(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps);
   // Outputs that output_mask does not ask for are empty 1-D tensors, so no memory is spent on them.
-  auto nothing = [&](at::ScalarType dtype) {
-    return at::empty_symint({c10::SymInt(0)}, prefix_sum.options().dtype(dtype));
+  auto nothing = [&](const at::Tensor& like) {
+    return at::empty_symint({c10::SymInt(0)}, like.options());
   };
-  at::Tensor grad_prefix = output_mask[0] ? new_like_prefix(prefix_sum) : nothing(prefix_sum.scalar_type());
+  at::Tensor grad_prefix = output_mask[0] ? new_like_prefix(prefix_sum) : nothing(prefix_sum);
   at::Tensor grad_blocks = output_mask[1]
       ? at::empty_symint({prefix_sum.sym_size(0), block_residual.sym_size(1), prefix_sum.sym_size(1)},
                          block_residual.options().memory_format(at::MemoryFormat::Contiguous))
-      : nothing(block_residual.scalar_type());
-  at::Tensor grad_w = output_mask[2]
-      ? at::empty_symint({prefix_sum.sym_size(1)}, prefix_sum.options().dtype(compute_dtype(prefix_sum)))
-      : nothing(compute_dtype(prefix_sum));
-  return {grad_prefix, grad_blocks, grad_w};
+      : nothing(block_residual);
+  // Each weight's gradient has the weight's shape and dtype ([H] or [1, H]), contiguous.
+  const auto like_weight = [&](const at::Tensor& weight, bool wanted) {
+    return wanted ? at::empty_symint(weight.sym_sizes(), weight.options().memory_format(at::MemoryFormat::Contiguous))
+                  : nothing(weight);
+  };
+  return {grad_prefix, grad_blocks, like_weight(norm_weight, output_mask[2]), like_weight(proj_weight, output_mask[3])};
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_attn_res_meta(
@@ -134,12 +131,14 @@ TORCH_LIBRARY(kimi_k3, m) {
       "attn_res(Tensor prefix_sum, Tensor block_residual, Tensor norm_weight, Tensor proj_weight, "
       "int num_valid_blocks, float eps) -> Tensor",
       {at::Tag::pt2_compliant_tag});
-  // Gradients of attn_res, recomputed from the inputs. grad_weight is the gradient of the folded
-  // weight w = norm_weight * proj_weight in the compute dtype; autograd splits it into the two weights.
+  // Gradients of attn_res's four tensor inputs, recomputed from the inputs; output_mask asks for each (an output not
+  // asked for is an empty 1-D tensor). The two weights' gradients come from the gradient of the folded weight
+  // w = norm_weight * proj_weight, summed over tokens in the compute dtype, times the other weight, rounded once
+  // to each weight's dtype.
   m.def(
       "attn_res_backward(Tensor grad_out, Tensor prefix_sum, Tensor block_residual, Tensor norm_weight, "
-      "Tensor proj_weight, int num_valid_blocks, float eps, bool[3] output_mask) -> "
-      "(Tensor grad_prefix_sum, Tensor grad_block_residual, Tensor grad_weight)",
+      "Tensor proj_weight, int num_valid_blocks, float eps, bool[4] output_mask) -> "
+      "(Tensor grad_prefix_sum, Tensor grad_block_residual, Tensor grad_norm_weight, Tensor grad_proj_weight)",
       {at::Tag::pt2_compliant_tag});
   // The serving variant: residual add, optional block snapshot (in place), mix, optional RMSNorm.
   m.def(

@@ -1,7 +1,7 @@
 """DTensor sharding rules of every kimi_k3 op, as data, registered with torch.distributed.tensor.
 
 Every kimi_k3 op is per token: token t of each output reads token t of the activations ([T, ...] arguments) and
-the whole of the per-hidden weights, and nothing else (attn_res_backward's weight gradient is a sum over tokens).
+the whole of the per-hidden weights, and nothing else (attn_res_backward's weight gradients are sums over tokens).
 So each op has two modes per mesh dimension, and ``RULES`` says what each argument and output is in them:
 
     replicate   every tensor Replicate                      -> outputs Replicate
@@ -85,8 +85,8 @@ _SERVING_W = ("norm_weight", "proj_weight", "out_norm_weight")
 
 def _backward_empty(args: dict) -> frozenset:
     mask = list(args["output_mask"])
-    return frozenset(name for name, want in zip(("grad_prefix_sum", "grad_block_residual", "grad_weight"), mask)
-                     if not want)
+    names = ("grad_prefix_sum", "grad_block_residual", "grad_norm_weight", "grad_proj_weight")
+    return frozenset(name for name, want in zip(names, mask) if not want)
 
 
 def _full_empty(args: dict) -> frozenset:
@@ -108,10 +108,11 @@ RULES: tuple[ShardingRule, ...] = (
     ShardingRule("attn_res", ("prefix_sum", "block_residual"), ("norm_weight", "proj_weight"),
                  (("out", "Shard(0)"),)),
     ShardingRule("attn_res_backward", ("grad_out", "prefix_sum", "block_residual"), ("norm_weight", "proj_weight"),
-                 (("grad_prefix_sum", "Shard(0)"), ("grad_block_residual", "Shard(0)"), ("grad_weight", "Partial()")),
+                 (("grad_prefix_sum", "Shard(0)"), ("grad_block_residual", "Shard(0)"),
+                  ("grad_norm_weight", "Partial()"), ("grad_proj_weight", "Partial()")),
                  empty=_backward_empty,
-                 communication="none in the op; grad_weight stays Partial() until a redistribute / full_tensor (an "
-                               "all-reduce of H values) or FSDP's reduce-scatter sums it"),
+                 communication="none in the op; the weights' gradients stay Partial() until a redistribute / "
+                               "full_tensor (an all-reduce of H values each) or FSDP's reduce-scatter sums them"),
     ShardingRule("fused_attn_res", _SERVING_IN, _SERVING_W, (("out", "Shard(0)"), ("new_prefix", "Shard(0)")),
                  written=("block_residual",)),
     ShardingRule("fused_attn_res.quant", _SERVING_IN, _SERVING_W,

@@ -270,35 +270,46 @@ def fused_attn_res_full_reference(prefix_sum: torch.Tensor, addend: torch.Tensor
 
 def attn_res_backward_reference(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
                                 norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int,
-                                eps: float, output_mask: list[bool] | tuple[bool, bool, bool] = (True, True, True),
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                eps: float,
+                                output_mask: list[bool] | tuple[bool, bool, bool, bool] = (True, True, True, True),
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """kimi_k3::attn_res_backward in FP32 PyTorch (FP64 for fp64 inputs): the CPU kernel and the eager yardstick.
 
     Recomputes the forward from the inputs, then per token (docs/attn_res.md "Backward"), with gy = grad_out:
     ``g_i = <gy, v_i>``, ``gs_i = p_i (g_i - sum_j p_j g_j)``,
-    ``dv_i = p_i gy + gs_i (r_i w - (d_i r_i^3 / H) v_i)``, ``dw = sum_t sum_i gs_i r_i v_i``.
+    ``dv_i = p_i gy + gs_i (r_i w - (d_i r_i^3 / H) v_i)``, ``dw = sum_t sum_i gs_i r_i v_i`` (the folded weight
+    ``w = norm_weight * proj_weight``), and by the chain rule ``grad_norm_weight = dw * proj_weight``,
+    ``grad_proj_weight = dw * norm_weight``: each product in the compute dtype, rounded once to the weight's dtype.
 
     Returns ``(grad_prefix_sum [T, H] of prefix_sum.dtype, grad_block_residual [T, C, H] of
-    block_residual.dtype with zeros at slots >= K, grad_weight [H] in the compute dtype)``, each new and
-    contiguous; an output whose ``output_mask`` entry is False is an empty 1-D tensor (no work spent on it).
-    ``grad_weight`` is dL/dw for the folded ``w = norm_weight * proj_weight``.
+    block_residual.dtype with zeros at slots >= K, grad_norm_weight, grad_proj_weight)`` (each weight's gradient
+    in its shape and dtype), each new and contiguous; an output whose ``output_mask`` entry is False is an empty
+    1-D tensor (no work spent on it).
     """
-    want_prefix, want_blocks, want_w = (bool(m) for m in output_mask)
+    want_prefix, want_blocks, want_norm, want_proj = (bool(m) for m in output_mask)
     T, C, H = block_residual.shape
     K = num_valid_blocks
     cdt = compute_dtype(prefix_sum.dtype)
 
-    def nothing(dtype: torch.dtype) -> torch.Tensor:
-        return prefix_sum.new_empty((0,), dtype=dtype)
+    def nothing(like: torch.Tensor) -> torch.Tensor:
+        return like.new_empty((0,))
+
+    def weight_grads(dw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        def one(wanted: bool, weight: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+            if not wanted:
+                return nothing(weight)
+            grad = dw * other.reshape(-1).to(cdt) if dw is not None else weight.new_zeros((H,), dtype=cdt)
+            return grad.reshape(weight.shape).to(weight.dtype).contiguous()
+
+        return one(want_norm, norm_weight, proj_weight), one(want_proj, proj_weight, norm_weight)
 
     if K == 0 or T == 0:
         # One candidate: p = 1 exactly, so gs = 0 and dv_K = gy. Spelled out (like the forward's copy) so that
         # the gradient is exact even where the score would overflow. (T = 0: everything is empty or zero.)
         grad_prefix = (grad_out.clone(memory_format=torch.contiguous_format) if want_prefix
-                       else nothing(prefix_sum.dtype))
-        grad_blocks = (block_residual.new_zeros((T, C, H)) if want_blocks else nothing(block_residual.dtype))
-        grad_w = prefix_sum.new_zeros((H,), dtype=cdt) if want_w else nothing(cdt)
-        return grad_prefix, grad_blocks, grad_w
+                       else nothing(prefix_sum))
+        grad_blocks = (block_residual.new_zeros((T, C, H)) if want_blocks else nothing(block_residual))
+        return (grad_prefix, grad_blocks, *weight_grads(None))
 
     v = _candidates(prefix_sum, block_residual, K, cdt)  # [T, K+1, H]; never reads slots >= K
     gy = grad_out.to(cdt).unsqueeze(1)  # [T, 1, H]
@@ -312,30 +323,30 @@ def attn_res_backward_reference(grad_out: torch.Tensor, prefix_sum: torch.Tensor
     if want_prefix or want_blocks:
         dv = p.unsqueeze(-1) * gy + gs.unsqueeze(-1) * (r.unsqueeze(-1) * w - (d * r.pow(3) / H).unsqueeze(-1) * v)
         # A fresh [T, H] tensor: dv[:, K] is a strided view into dv (and .to is a no-op for fp32).
-        grad_prefix = (prefix_sum.new_empty((T, H)).copy_(dv[:, K]) if want_prefix else nothing(prefix_sum.dtype))
+        grad_prefix = (prefix_sum.new_empty((T, H)).copy_(dv[:, K]) if want_prefix else nothing(prefix_sum))
         if want_blocks:
             grad_blocks = block_residual.new_zeros((T, C, H))  # slots >= K: exactly zero
             grad_blocks[:, :K] = dv[:, :K]
         else:
-            grad_blocks = nothing(block_residual.dtype)
+            grad_blocks = nothing(block_residual)
     else:
-        grad_prefix, grad_blocks = nothing(prefix_sum.dtype), nothing(block_residual.dtype)
-    grad_w = ((gs * r).unsqueeze(-1) * v).sum(dim=(0, 1)) if want_w else nothing(cdt)
-    return grad_prefix, grad_blocks, grad_w
+        grad_prefix, grad_blocks = nothing(prefix_sum), nothing(block_residual)
+    dw = ((gs * r).unsqueeze(-1) * v).sum(dim=(0, 1)) if (want_norm or want_proj) else None
+    return (grad_prefix, grad_blocks, *weight_grads(dw))
 
 
 def attn_res_backward_truth(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_residual: torch.Tensor,
                             norm_weight: torch.Tensor, proj_weight: torch.Tensor, num_valid_blocks: int,
-                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The float64 truth of attn_res_backward: autograd of ``attn_res_truth`` from the exactly upcast inputs,
     unrounded. Returns ``(grad_prefix_sum [T, H], grad_block_residual [T, C, H] (zeros at slots >= K),
-    grad_weight [H])``, all float64 on prefix_sum's device; ``grad_weight`` is dL/dw of the folded weight."""
+    grad_norm_weight, grad_proj_weight)`` (each weight's gradient in its shape), all float64 on prefix_sum's
+    device."""
     f64 = torch.float64
     with torch.enable_grad():
-        prefix = prefix_sum.detach().to(f64).requires_grad_(True)
-        blocks = block_residual.detach().to(f64).requires_grad_(True)
-        # Differentiate with respect to the folded weight itself: pass it as norm_weight with a unit proj.
-        w = (norm_weight.detach().to(f64) * proj_weight.detach().reshape(-1).to(f64)).requires_grad_(True)
-        out = attn_res_truth(prefix, blocks, w, torch.ones_like(w), num_valid_blocks, eps)
-        grads = torch.autograd.grad(out, (prefix, blocks, w), grad_out.detach().to(f64), allow_unused=True)
-    return tuple(torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, (prefix, blocks, w)))
+        leaves = tuple(t.detach().to(f64).requires_grad_(True)
+                       for t in (prefix_sum, block_residual, norm_weight, proj_weight))
+        out = attn_res_truth(*leaves, num_valid_blocks, eps)
+        grads = torch.autograd.grad(out, leaves, grad_out.detach().to(f64), allow_unused=True)
+    return tuple(torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, leaves))
+

@@ -141,7 +141,8 @@ class Checks:
 
     def backward_op(self) -> None:
         """attn_res_backward called directly, with every output_mask, token-sharded."""
-        for mask in ([True, True, True], [True, False, True], [False, True, False], [False, False, True]):
+        for mask in ([True, True, True, True], [True, False, True, False], [False, True, False, False],
+                     [False, False, False, True]):
             T = _token_counts(self.world_size)[1]
             self.record(f"attn_res_backward-token-T{T}-mask{''.join('1' if m else '0' for m in mask)}",
                         lambda mk=mask, t=T: self._backward_op(t, mk))
@@ -160,8 +161,9 @@ class Checks:
             distribute_tensor(args["norm_weight"], self.mesh, [Replicate()]),
             distribute_tensor(args["proj_weight"], self.mesh, [Replicate()]), sample.K, sample.eps, mask)
         problems = []
-        expected = [Shard(0), Shard(0), Partial()]
-        for i, (name, want) in enumerate(zip(("grad_prefix_sum", "grad_block_residual", "grad_weight"), mask)):
+        expected = [Shard(0), Shard(0), Partial(), Partial()]
+        names = ("grad_prefix_sum", "grad_block_residual", "grad_norm_weight", "grad_proj_weight")
+        for i, (name, want) in enumerate(zip(names, mask)):
             placement = expected[i] if want else Replicate()  # not asked for: an empty [0], replicated
             if got[i].placements != (placement,):
                 problems.append(f"{name} placements {got[i].placements}, expected {(placement,)}")

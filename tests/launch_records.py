@@ -397,7 +397,7 @@ class Call:
     out_dtype: str | None = None
     weights: str = "fp32"  # fp32, bf16, fp64, proj2d
     config: str | None = None  # a CONFIGS name (cuda forward) or a BACKWARD_CONFIGS name (cuda backward)
-    mask: str = "111"
+    mask: str = "1111"
     return_mix: bool = False  # fused_attn_res_full's options
     sum_out: str = "none"  # none, dense ([T, H]), rows (token stride 2 H)
     mix: bool = True
@@ -544,7 +544,7 @@ def calls() -> list[Call]:
     for facts in ("interpreter", "h100", "h100-nobuild", "a100", "v100"):
         for T in (1, 64, 2048, 4096):
             for K in (1, 4, 8, 9):
-                for mask in ("111", "100", "001", "000"):
+                for mask in ("1111", "1000", "0011", "0001", "0000"):
                     out.append(Call("cuda", facts, "attn_res_backward", T, K, mask=mask))
         for config in BACKWARD_CONFIGS:
             for T, K, H in ((3, 8, 7168), (4096, 2, 7168), (64, 4, 9000), (5, 3, 40)):
@@ -566,7 +566,7 @@ def calls() -> list[Call]:
                                 out_dtype="float8_e4m3fn"))
                 out.append(Call("npu", cores, "fused_attn_res_quant", T, K, H=H, dtype=dtype, addend=True,
                                 norm=True, out_dtype="float8_e4m3fnuz"))
-                for mask in ("111", "010"):
+                for mask in ("1111", "0100", "0010"):
                     out.append(Call("npu", cores, "attn_res_backward", T, K, H=H, dtype=dtype, mask=mask))
         out.append(Call("npu", cores, "attn_res_forward", 4, 3, H=96, layout="blockmajor"))
         out.append(Call("npu", cores, "fused_attn_res", 4, 3, H=96, layout="hstrided", addend=True, norm=True))

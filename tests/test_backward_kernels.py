@@ -31,7 +31,7 @@ from k3_ops.testing import assert_accuracy_contract, error_stats
 from conftest import Sample, bits_equal, grad_out_for, positional, requires_cuda, requires_interpreter, sample_params
 
 BWD = torch.ops.kimi_k3.attn_res_backward.default
-FULL = [True, True, True]
+FULL = [True, True, True, True]
 
 
 def policy_backward(policy: str, *args, **kw):
@@ -69,8 +69,11 @@ def truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_contract(sample: Sample, outs, gy, args, *, interpreted: bool):
-    """The accuracy contract for the three outputs, slots < K only for grad_block_residual (>= K is tested for
-    exact zeros separately). Returns {output name: (kernel errors, eager errors)}."""
+    """The accuracy contract for the four outputs, slots < K only for grad_block_residual (>= K is tested for
+    exact zeros separately); the samples' weights are FP32, so the weights' gradients carry the accumulation over
+    tokens unrounded. Also the chain rule between the two weights' gradients: both are the folded weight's times
+    the other weight, so grad_norm_weight * norm_weight and grad_proj_weight * proj_weight agree to FP32
+    rounding. Returns {output name: (kernel errors, eager errors)}."""
     cpu = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in positional(args))
     gy = gy.cpu()
     eager = reference.attn_res_backward_reference(gy, *cpu, FULL)
@@ -78,15 +81,18 @@ def check_contract(sample: Sample, outs, gy, args, *, interpreted: bool):
     if interpreted and sample.dtype == torch.bfloat16:
         up = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in cpu)
         eager_fp32 = reference.attn_res_backward_reference(gy.float(), *up, FULL)
-        eager = (truncate_to_bf16(eager_fp32[0]), truncate_to_bf16(eager_fp32[1]), eager[2])
+        eager = (truncate_to_bf16(eager_fp32[0]), truncate_to_bf16(eager_fp32[1]), eager[2], eager[3])
     K = sample.K
     pairs = [("grad_prefix_sum", outs[0], eager[0], truth[0]),
              ("grad_block_residual", outs[1][:, :K], eager[1][:, :K], truth[1][:, :K]),
-             ("grad_weight", outs[2], eager[2], truth[2])]
+             ("grad_norm_weight", outs[2], eager[2], truth[2]), ("grad_proj_weight", outs[3], eager[3], truth[3])]
     report = {}
     for name, k_out, e_out, t_out in pairs:
         k_err, e_err = assert_accuracy_contract(k_out.cpu(), e_out, t_out, what=f"{sample.id} {name}")
         report[name] = (k_err, e_err)
+    nw, pw = cpu[2].reshape(-1), cpu[3].reshape(-1)
+    via_norm, via_proj = outs[2].cpu().reshape(-1) * nw, outs[3].cpu().reshape(-1) * pw
+    assert torch.allclose(via_norm, via_proj, rtol=2**-21, atol=0), f"{sample.id}: weight gradients' chain rule"
     return report
 
 
@@ -223,18 +229,21 @@ def test_interpreter_accuracy_contract_and_zero_capacity(sample: Sample, policy:
     # Deterministic mode fills every torch.empty with NaN: an output slot the kernel does not write stays NaN.
     with _nan_fill():
         outs = policy_backward(policy, gy, *positional(args), FULL)
-    gp, gb, gw = outs
+    gp, gb, gn, gj = outs
     assert gp.shape == (sample.T, sample.H) and gp.dtype == sample.dtype and gp.is_contiguous()
     assert gb.shape == (sample.T, sample.cap, sample.H) and gb.dtype == sample.dtype and gb.is_contiguous()
-    assert gw.shape == (sample.H,) and gw.dtype == torch.float32
+    for g, weight in ((gn, args["norm_weight"]), (gj, args["proj_weight"])):
+        assert g.shape == weight.shape and g.dtype == weight.dtype and g.is_contiguous()
     assert bool((gb[:, sample.K:] == 0).all()), "slots >= K must get exact zeros"
     assert not any(bool(o.isnan().any()) for o in outs), "NaN: a slot was left unwritten or NaN capacity was read"
     check_contract(sample, outs, gy, args, interpreted=True)
     if sample.K == 0:
-        assert bits_equal(gp, gy) and bool((gw == 0).all())
+        assert bits_equal(gp, gy) and bool((gn == 0).all()) and bool((gj == 0).all())
 
 
-MASKS = [[True, False, False], [False, True, False], [False, False, True], [True, True, False], [False, False, False]]
+MASKS = [[True, False, False, False], [False, True, False, False], [False, False, True, False],
+         [False, False, False, True], [False, False, True, True], [True, True, False, False],
+         [False, False, False, False]]
 
 
 @requires_interpreter
@@ -271,8 +280,8 @@ def test_interpreter_deterministic_bits(policy: str):
 @requires_interpreter
 @pytest.mark.interpreter
 def test_interpreter_grid_changes_only_the_weight_gradient_order():
-    # Per-token gradients do not depend on how tokens are spread over programs (bit for bit); grad_weight only
-    # changes its summation order (close, not necessarily equal).
+    # Per-token gradients do not depend on how tokens are spread over programs (bit for bit); the weights'
+    # gradients only change their summation order (close, not necessarily equal).
     from k3_ops.backends import _backward, next_power_of_2
 
     sample = Sample(T=10, K=3, cap=4, H=48, dtype=torch.bfloat16)
@@ -285,7 +294,8 @@ def test_interpreter_grid_changes_only_the_weight_gradient_order():
         results.append(_backward.run_attn_res_backward(gy, *positional(args), FULL, plan))
     for other in results[1:]:
         assert bits_equal(other[0], results[0][0]) and bits_equal(other[1], results[0][1])
-        torch.testing.assert_close(other[2], results[0][2], rtol=1e-6, atol=1e-6)
+        for i in (2, 3):
+            torch.testing.assert_close(other[i], results[0][i], rtol=1e-6, atol=1e-6)
 
 
 @requires_interpreter
@@ -358,8 +368,8 @@ def test_cuda_accuracy_contract_and_zero_capacity(sample: Sample):
     gy = grad_out_for(sample, "cuda")
     with _nan_fill():
         outs = BWD(gy, *positional(args), FULL)
-    gp, gb, gw = outs
-    assert (gp.device.type, gb.device.type, gw.device.type) == ("cuda", "cuda", "cuda")
+    gp, gb, gn, gj = outs
+    assert all(o.device.type == "cuda" for o in outs)
     assert bool((gb[:, sample.K:] == 0).all()), "slots >= K must get exact zeros"
     assert not any(bool(o.isnan().any()) for o in outs), "NaN: a slot was left unwritten or NaN capacity was read"
     # Eager on the same GPU (what the kernel replaces); truth in float64 from the same inputs.
@@ -368,7 +378,8 @@ def test_cuda_accuracy_contract_and_zero_capacity(sample: Sample):
     K = sample.K
     for name, k_out, e_out, t_out in (("grad_prefix_sum", gp, eager[0], truth[0]),
                                       ("grad_block_residual", gb[:, :K], eager[1][:, :K], truth[1][:, :K]),
-                                      ("grad_weight", gw, eager[2], truth[2])):
+                                      ("grad_norm_weight", gn, eager[2], truth[2]),
+                                      ("grad_proj_weight", gj, eager[3], truth[3])):
         k_err, e_err = assert_accuracy_contract(k_out, e_out, t_out, what=f"{sample.id} {name}")
         print(f"{sample.id} {name}: kernel/eager max_abs {k_err.max_abs / max(e_err.max_abs, 1e-30):.3f} "
               f"mean_abs {k_err.mean_abs / max(e_err.mean_abs, 1e-30):.3f}")

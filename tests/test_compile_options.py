@@ -16,7 +16,7 @@ from conftest import Sample, grad_out_for, positional, requires_interpreter
 pytestmark = [requires_interpreter, pytest.mark.interpreter]
 
 SAMPLE = Sample(T=6, K=3, cap=5, H=40, dtype=torch.bfloat16)
-FULL = [True, True, True]
+FULL = [True, True, True, True]
 
 
 @pytest.fixture

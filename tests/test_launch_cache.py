@@ -215,7 +215,7 @@ def test_backward_replay_gives_the_python_bits(T, K):
     for seed in (0, 1):
         a = _mix_args(T, K, seed=seed)
         gy = torch.randn(T, 7168, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
-        args = (gy, *a.values(), [True, True, True])
+        args = (gy, *a.values(), [True, True, True, True])
         got = OPS.attn_res_backward(*args)
         want = _python_kernel("attn_res_backward")(*args)
         assert _same(got, want), seed

@@ -31,7 +31,7 @@ class TestPinned(expecttest.TestCase):
         )
         self.assertExpectedInline(
             str(ops.attn_res_backward.default._schema),
-            """kimi_k3::attn_res_backward(Tensor grad_out, Tensor prefix_sum, Tensor block_residual, Tensor norm_weight, Tensor proj_weight, int num_valid_blocks, float eps, bool[3] output_mask) -> (Tensor grad_prefix_sum, Tensor grad_block_residual, Tensor grad_weight)""",  # noqa: E501
+            """kimi_k3::attn_res_backward(Tensor grad_out, Tensor prefix_sum, Tensor block_residual, Tensor norm_weight, Tensor proj_weight, int num_valid_blocks, float eps, bool[4] output_mask) -> (Tensor grad_prefix_sum, Tensor grad_block_residual, Tensor grad_norm_weight, Tensor grad_proj_weight)""",  # noqa: E501
         )
         self.assertExpectedInline(
             str(ops.fused_attn_res.default._schema),

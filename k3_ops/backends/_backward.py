@@ -4,7 +4,9 @@ Their plan steps decide *how* to launch (a ``BackwardPlan``, backends/__init__.p
 tile, warps or Ascend options; ``cuda_plan.backward_plan``, ``npu_plan.backward_plan``); this module does what is
 identical on both devices: the trivial cases that never launch, output and workspace allocation, the stride
 arithmetic, and the launches of ``k3_ops.kernels.attn_res_bwd`` (the gradient kernel, or the CUDA C++ single-read
-kernel, then the fixed-order weight-gradient reduction, which the single-read kernel's ring layout does itself).
+kernel, then the fixed-order weight-gradient reduction, which the single-read kernel's ring layout does itself). The
+reduction also applies the chain rule through ``w = norm_weight * proj_weight``: it writes each weight's gradient
+(the folded weight's times the other weight) in the weight's own dtype, so no launch follows it.
 
 Memory: besides the outputs themselves, one workspace [num_programs, H] (fp64; fp32 without FP64), where
 num_programs is bounded by the device, not by T, and, only when grad_out's hidden dimension is not unit-stride
@@ -39,7 +41,7 @@ def trivial_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, 
     """The backward cases that never launch a kernel, identical on every device; None when a kernel must run.
 
     fp64 inputs (computed in fp64 by the reference on the tensors' own device), T = 0, and K = 0 (p = 1 exactly:
-    grad_prefix_sum is a contiguous copy of grad_out, grad_block_residual zeros, grad_weight zeros).
+    grad_prefix_sum is a contiguous copy of grad_out, grad_block_residual and both weights' gradients zeros).
     """
     if prefix_sum.dtype == torch.float64 or prefix_sum.size(0) == 0 or num_valid_blocks == 0:
         return reference.attn_res_backward_reference(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
@@ -56,9 +58,11 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
 
     Arguments are already checked (``k3_ops._C.check_attn_res_backward``) and non-trivial (see
     ``trivial_attn_res_backward``). ``raw`` maps a device tensor to the tensor handed to Triton (identity
-    except for the NPU test seam). Returns the schema's (grad_prefix_sum, grad_block_residual, grad_weight).
+    except for the NPU test seam). Returns the schema's (grad_prefix_sum, grad_block_residual, grad_norm_weight,
+    grad_proj_weight).
     """
-    want_prefix, want_blocks, want_w = (bool(m) for m in output_mask)
+    want_prefix, want_blocks, want_norm, want_proj = (bool(m) for m in output_mask)
+    want_w = want_norm or want_proj
     T, C, H = block_residual.shape
     K = int(num_valid_blocks)
     dev = prefix_sum.device
@@ -67,9 +71,20 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
     grad_prefix = torch.empty((T, H), dtype=prefix_sum.dtype, device=dev) if want_prefix else nothing
     grad_blocks = (torch.empty((T, C, H), dtype=block_residual.dtype, device=dev) if want_blocks
                    else torch.empty((0,), dtype=block_residual.dtype, device=dev))
-    grad_w = torch.empty((H,) if want_w else (0,), dtype=torch.float32, device=dev)
+    # Each weight's gradient in its shape and dtype. The kernels store the dtypes they read (prepare_weights): a
+    # weight of another dtype gets an FP32 [H] from them, cast after the launches.
+    grad_norm, grad_proj = (torch.empty(t.shape if wanted else (0,), dtype=t.dtype, device=dev)
+                            for t, wanted in ((norm_weight, want_norm), (proj_weight, want_proj)))
+
+    def kernel_target(grad: torch.Tensor, prepared: torch.Tensor, wanted: bool) -> torch.Tensor:
+        # What the kernels store into: the output itself wherever its dtype is the one the kernels read.
+        if not wanted or grad.dtype == prepared.dtype:
+            return grad
+        return torch.empty((H,), dtype=prepared.dtype, device=dev)
+
+    stored_norm, stored_proj = kernel_target(grad_norm, nw, want_norm), kernel_target(grad_proj, pw, want_proj)
     if not (want_prefix or want_blocks or want_w):
-        return grad_prefix, grad_blocks, grad_w
+        return grad_prefix, grad_blocks, grad_norm, grad_proj
 
     folded = False  # the weight gradient reduced inside the gradient kernel (its ring layout)
     # The gradient kernel's token ranges (for "stats_apply": the apply kernel's; the statistics kernel has its own).
@@ -130,7 +145,8 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
         # The ring layout sums the weight gradient in the kernel (a cooperative launch): no reduction launch.
         folded = want_w and plan.vectors_per_thread == RING_LAYOUT
         single_read = (gy, x, blocks, nw, pw, grad_prefix if want_prefix else None,
-                       grad_blocks if want_blocks else None, ws, grad_w if folded else None)
+                       grad_blocks if want_blocks else None, ws, stored_norm if folded and want_norm else None,
+                       stored_proj if folded and want_proj else None)
         _launch.launch_native("single_read", single_read, (K, tokens_per_prog, programs, plan.vectors_per_thread),
                               (eps,))
         _C.attn_res_bwd_single_read(*single_read, K, float(eps), tokens_per_prog, programs, plan.vectors_per_thread)
@@ -144,9 +160,16 @@ def run_attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, bloc
                        lambda: tiles_flags, ntensors=8, interpreted=interpreted)
     if want_w and not folded:  # the ring reduced it in its own launch
         block = min(REDUCE_BLOCK_H, next_power_of_2(H))
-        reduce_flags = dict(BLOCK_P=REDUCE_BLOCK_P, BLOCK_H=block, **dict(plan.reduce_options or plan.launch_options),
-                            **compile_options)
+        reduce_flags = dict(WRITE_NORM=want_norm, WRITE_PROJ=want_proj, BLOCK_P=REDUCE_BLOCK_P, BLOCK_H=block,
+                            **dict(plan.reduce_options or plan.launch_options), **compile_options)
+        # An output not asked for gets the other's pointer as a stand-in (never written: its flag is off).
+        gn = raw(stored_norm if want_norm else stored_proj)
+        gj = raw(stored_proj if want_proj else stored_norm)
         _launch.launch(_bwd.attn_res_bwd_dw_reduce_kernel, (triton.cdiv(H, block),),
-                       (raw(ws), raw(grad_w), programs, H), {}, (plan, block), lambda: reduce_flags, ntensors=2,
-                       interpreted=interpreted)
-    return grad_prefix, grad_blocks, grad_w
+                       (raw(ws), raw(nw), raw(pw), gn, gj, programs, H), {}, (plan, block, want_norm, want_proj),
+                       lambda: reduce_flags, ntensors=5, interpreted=interpreted)
+    for grad, stored in ((grad_norm, stored_norm), (grad_proj, stored_proj)):
+        if stored is not grad:  # a weight dtype the kernels do not store: their FP32 product, rounded here
+            _launch.unrecordable()
+            grad.view(-1).copy_(stored)
+    return grad_prefix, grad_blocks, grad_norm, grad_proj

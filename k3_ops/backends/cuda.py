@@ -478,13 +478,15 @@ def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_re
             of ``out.sum()``, is copied to contiguous first).
         prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps: as for ``attn_res_forward``
             (any token / block strides, block-major views included; only slots < K are read).
-        output_mask: [want grad_prefix_sum, want grad_block_residual, want grad_weight].
+        output_mask: [want grad_prefix_sum, want grad_block_residual, want grad_norm_weight,
+            want grad_proj_weight].
         config: bypass ``BACKWARD_CONFIG`` (benchmarks / tuning).
     Returns:
         (grad_prefix_sum: new contiguous [T, H] of prefix_sum.dtype,
          grad_block_residual: new contiguous [T, C, H] of block_residual.dtype, exact zeros at slots >= K,
-         grad_weight: [H] fp32 (fp64 for fp64 inputs), dL/dw of w = norm_weight * proj_weight, reduced over
-         tokens in a fixed order: identical bits from run to run);
+         grad_norm_weight, grad_proj_weight: each of its weight's shape and dtype, from dL/dw of
+         w = norm_weight * proj_weight reduced over tokens in a fixed order (identical bits from run to run),
+         times the other weight in FP32, rounded once);
         an output not asked for by output_mask is an empty 1-D tensor and costs nothing.
     """
     trivial = _backward.trivial_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,

@@ -367,11 +367,12 @@ def attn_res_backward(grad_out: torch.Tensor, prefix_sum: torch.Tensor, block_re
     Args (already checked by ``k3_ops._C.check_attn_res_backward``):
         grad_out: [T, H] of prefix_sum.dtype, any strides (a non-unit hidden stride is copied to contiguous).
         prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps: as for ``attn_res_forward``.
-        output_mask: [want grad_prefix_sum, want grad_block_residual, want grad_weight].
+        output_mask: [want grad_prefix_sum, want grad_block_residual, want grad_norm_weight,
+            want grad_proj_weight].
     Returns:
         (grad_prefix_sum [T, H] of prefix_sum.dtype, grad_block_residual [T, C, H] of block_residual.dtype with
-        exact zeros at slots >= K, grad_weight [H] fp32 (fp64 for fp64 inputs)), new and contiguous on
-        prefix_sum's device; an output not asked for by output_mask is an empty 1-D tensor.
+        exact zeros at slots >= K, grad_norm_weight and grad_proj_weight of each weight's shape and dtype), new
+        and contiguous on prefix_sum's device; an output not asked for by output_mask is an empty 1-D tensor.
     """
     trivial = _backward.trivial_attn_res_backward(grad_out, prefix_sum, block_residual, norm_weight, proj_weight,
                                                   num_valid_blocks, eps, output_mask)

@@ -97,7 +97,7 @@ class Ops:
     fused_inplace: the same arguments ``-> (out, scale)``, the new prefix stored into ``prefix_sum`` (the serving
     call as vLLM's model makes it: ``kimi_k3::fused_attn_res_``)
     backward: ``(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
-    output_mask) -> (grad_prefix_sum, grad_block_residual, grad_weight)``
+    output_mask) -> (grad_prefix_sum, grad_block_residual, grad_norm_weight, grad_proj_weight)``
 
     Pass ``{"name": Ops(...), ...}`` to a section's ``run`` to time kernel variants side by side in one run.
     """

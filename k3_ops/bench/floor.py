@@ -175,7 +175,7 @@ def _backward_floor_kernel(gy_ptr, prefix_ptr, blocks_ptr, gp_ptr, gb_ptr, strid
 
 
 def backward_floor(grad_out, prefix_sum, block_residual, norm_weight, proj_weight, num_valid_blocks, eps,
-                   output_mask=(True, True, True)):
+                   output_mask=(True, True, True, True)):
     """The floor under ``attn_res_backward`` at this call's shape (same arguments; the outputs are not the op's)."""
     T, C, H = block_residual.shape
     K = int(num_valid_blocks)

@@ -152,7 +152,7 @@ def run(opts: Options | None = None, timer: Timer | None = None, ops: dict[str, 
                         if row.get(f"bwd_us:{first}"):
                             row["bwd_vs_floor"] = row["bwd_floor_us"] / row[f"bwd_us:{first}"]
                     for name, bwd in backwards.items():
-                        row[f"bwd_op_us:{name}"] = timer.launch(partial(bwd, gy, *call_args, [True, True, True]),
+                        row[f"bwd_op_us:{name}"] = timer.launch(partial(bwd, gy, *call_args, [True, True, True, True]),
                                                                 host_ahead=True)
                     first = next(iter(ops), None)
                     if first and row.get("us:compile") and row.get(f"us:{first}"):

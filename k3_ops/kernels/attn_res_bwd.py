@@ -5,7 +5,8 @@ With gy = dL/d out, per token in FP32 (docs/attn_res_backward.md, "Math"), recom
     r_i = rsqrt(mean(v_i^2) + eps),  d_i = <v_i, w>,  p = softmax(r * d),  g_i = <gy, v_i>
     gs_i = p_i (g_i - sum_j p_j g_j)
     dv_i = p_i gy + gs_i (r_i w - (d_i r_i^3 / H) v_i)         -> grad_block_residual[t, i] (i < K), grad_prefix (i = K)
-    dw   = sum_t sum_i gs_i r_i v_i                              -> grad_weight (folded w = norm_weight * proj_weight)
+    dw   = sum_t sum_i gs_i r_i v_i      (folded w = norm_weight * proj_weight) -> grad_norm_weight = dw * proj_weight,
+                                                                                grad_proj_weight = dw * norm_weight
 
 The kernels:
 
@@ -29,10 +30,11 @@ The kernels:
   scalars (fixed-order chunk sum + softmax backward), then the element-wise dv / dw pass. Reads the inputs
   twice, but no step waits on the cross-warp reduction chain of a single program per SM
   (docs/attn_res_backward.md, "Kernels"; docs/history.md, "Backward (`attn_res_backward`)").
-- ``attn_res_bwd_dw_reduce_kernel``: the weight gradient. Each program of the first kernel accumulates its
+- ``attn_res_bwd_dw_reduce_kernel``: the weights' gradients. Each program of the first kernel accumulates its
   tokens' contributions into its own row of a workspace [num_programs, H] (FP64; FP32 without ACC64) with no
   atomics (a row has one writer), and this kernel sums the rows in a fixed order (fixed-shape tile sums, then
-  chunks in sequence).
+  chunks in sequence; an FP32 workspace row by row in double-float) and writes dw times the other weight into
+  each weight's gradient, rounded once to the weight's dtype.
   Identical inputs on the same device and grid give identical bits; the workspace is O(programs x H).
 
 Recompile safety and addressing are the forward's (``attn_res_fwd``): T, K, C, the token range and every
@@ -504,18 +506,41 @@ def attn_res_bwd_rows_kernel(gy_ptr, prefix_ptr, blocks_ptr, nw_ptr, pw_ptr, gp_
 
 
 @triton.jit(do_not_specialize=["P"])
-def attn_res_bwd_dw_reduce_kernel(ws_ptr, out_ptr, P, H, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
-    # grad_weight[h] = sum over workspace rows 0..P-1, always in the same order: a fixed-shape [BLOCK_P, BLOCK_H]
-    # tile sum per chunk of rows, chunks added in sequence. No atomics, so identical bits from run to run.
+def attn_res_bwd_dw_reduce_kernel(ws_ptr, nw_ptr, pw_ptr, gnorm_ptr, gproj_ptr, P, H, WRITE_NORM: tl.constexpr,
+                                  WRITE_PROJ: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    # dw[h] = sum over workspace rows 0..P-1, always in the same order, with no atomics: identical bits from run to
+    # run. Then the chain rule through w = norm_weight * proj_weight, rounded once to each weight's dtype:
+    # grad_norm_weight = dw * proj_weight, grad_proj_weight = dw * norm_weight.
+    # FP64 workspace (the GPU): fixed-shape [BLOCK_P, BLOCK_H] tile sums added in sequence, the products in FP64.
+    # FP32 workspace (no FP64: the NPU): the rows one by one into a double-float (TwoSum) sum, and each product of
+    # that pair formed with an FMA, so that neither the sum over programs nor the FP32 rounding of dw adds to the
+    # error of the per-program partials (the eager formula rounds both).
     cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
-    acc = tl.zeros([BLOCK_H], dtype=ws_ptr.dtype.element_ty)
-    for p0 in range(0, P, BLOCK_P):
-        prow = p0 + tl.arange(0, BLOCK_P)
-        tile = tl.load(ws_ptr + prow[:, None].to(tl.int64) * H + cols[None, :],
-                       mask=(prow < P)[:, None] & hmask[None, :], other=0.0)
-        acc += tl.sum(tile, axis=0)
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+    nw = tl.load(nw_ptr + cols, mask=hmask, other=0.0)
+    pw = tl.load(pw_ptr + cols, mask=hmask, other=0.0)
+    if ws_ptr.dtype.element_ty == tl.float64:
+        acc = tl.zeros([BLOCK_H], dtype=tl.float64)
+        for p0 in range(0, P, BLOCK_P):
+            prow = p0 + tl.arange(0, BLOCK_P)
+            tile = tl.load(ws_ptr + prow[:, None].to(tl.int64) * H + cols[None, :],
+                           mask=(prow < P)[:, None] & hmask[None, :], other=0.0)
+            acc += tl.sum(tile, axis=0)
+        g_norm = (acc * pw.to(tl.float64)).to(tl.float32)
+        g_proj = (acc * nw.to(tl.float64)).to(tl.float32)
+    else:
+        hi = tl.zeros([BLOCK_H], dtype=tl.float32)
+        lo = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for p in range(0, P):
+            x = tl.load(ws_ptr + tl.cast(p, tl.int64) * H + cols, mask=hmask, other=0.0)
+            hi, lo = _two_sum_combine(hi, lo, x, 0.0)
+        pw32, nw32 = pw.to(tl.float32), nw.to(tl.float32)
+        g_norm = tl.fma(hi, pw32, lo * pw32)
+        g_proj = tl.fma(hi, nw32, lo * nw32)
+    if WRITE_NORM:
+        tl.store(gnorm_ptr + cols, g_norm.to(gnorm_ptr.dtype.element_ty), mask=hmask)
+    if WRITE_PROJ:
+        tl.store(gproj_ptr + cols, g_proj.to(gproj_ptr.dtype.element_ty), mask=hmask)
 
 
 # Per-token scalars handed from the statistics kernel to the apply kernel: [T, N_SCALARS, K_PAD] FP32, in this

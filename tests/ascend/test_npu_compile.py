@@ -267,8 +267,10 @@ FUSED_OPS: dict[str, dict[str, tuple]] = {
     "fused_attn_res_quant": dict(out_dtype=(torch.float8_e4m3fn, torch.float8_e4m3fnuz), round_mix=(True, False)),
     "fused_attn_res_": dict(out_dtype=(None, torch.float8_e4m3fn), round_mix=(True, False)),
 }
-#: attn_res_backward's output_mask (grad_prefix_sum, grad_block_residual, grad_weight); all-False launches nothing.
-MASKS = tuple(m for m in itertools.product((False, True), repeat=3) if any(m))
+#: attn_res_backward's output_mask (grad_prefix_sum, grad_block_residual, grad_norm_weight, grad_proj_weight); all-False
+#: launches nothing. The two weights' entries together, and each alone (both come out of one reduction).
+MASKS = tuple((*m, m[2]) for m in itertools.product((False, True), repeat=3) if any(m)) + (
+    (False, False, True, False), (False, False, False, True))
 
 
 def _cases(op: str, axes: dict) -> list:
@@ -438,5 +440,5 @@ def test_backward(recorder: Recorder, case: dict):
         assert launches == [], launches  # p = 1 exactly: copies and zeros, no kernel
         return
     names = [launch.kernel for launch in launches]
-    # The gradient kernel, then (grad_weight asked for) the fixed-order weight-gradient reduction.
-    assert names == ["attn_res_bwd_kernel"] + (["attn_res_bwd_dw_reduce_kernel"] if mask[2] else []), names
+    # The gradient kernel, then (a weight's gradient asked for) the fixed-order weight-gradient reduction.
+    assert names == ["attn_res_bwd_kernel"] + (["attn_res_bwd_dw_reduce_kernel"] if mask[2] or mask[3] else []), names
