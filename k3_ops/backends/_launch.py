@@ -200,7 +200,7 @@ NATIVE_KERNELS = ("single_read", "cluster_fwd")
 
 def launch_native(name: str, tensors: tuple, ints: tuple[int, ...], floats: tuple[float, ...]) -> None:
     """Note a launch of one of k3_ops._C's CUDA C++ kernels (the caller launches it): "single_read", the
-    backward of csrc_cuda/attn_res_bwd.cu, with its 9 tensors (or None), (K, tokens_per_prog, grid,
+    backward of csrc_cuda/attn_res_bwd.cu, with its 10 tensors (or None), (K, tokens_per_prog, grid,
     vectors_per_thread) and (eps,); "cluster_fwd", the forward of csrc_cuda/attn_res_cluster.cu, with (prefix,
     blocks, norm_weight, proj_weight, out, addend, new_prefix, out_norm_weight, scale; each of the last four or
     None), (K, cluster_size, pdl, write_idx, inplace_prefix, norm_rounded_mix, fp8_kind, norm_gram) and (eps,
