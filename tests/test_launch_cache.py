@@ -107,8 +107,8 @@ def test_cpp_kernel_calls_the_python_kernels_with_the_schema_arguments():
     assert [t.dtype for t in OPS.fused_attn_res.quant.redispatch(cuda_key, p, None, b, nw, pw, 2, 1e-6,
                                                                  out_dtype=torch.float8_e4m3fn)] == [
         torch.float8_e4m3fn, p.dtype, torch.float32]
-    grads = OPS.attn_res_backward.default.redispatch(cuda_key, p, p, b, nw, pw, 2, 1e-6, [True, False, True])
-    assert [tuple(g.shape) for g in grads] == [(2, 64), (0,), (64,)]
+    grads = OPS.attn_res_backward.default.redispatch(cuda_key, p, p, b, nw, pw, 2, 1e-6, [True, False, True, False])
+    assert [tuple(g.shape) for g in grads] == [(2, 64), (0,), tuple(nw.shape), (0,)]
     with pytest.raises(ValueError, match=r"num_valid_blocks must be in \[0, block_residual.size\(1\)=3\], got 5"):
         OPS.attn_res.default.redispatch(cuda_key, p, b, nw, pw, 5, 1e-6)
     with pytest.raises(TypeError, match="block_residual.dtype must equal prefix_sum.dtype"):
@@ -226,7 +226,7 @@ def test_backward_replay_gives_the_python_bits(T, K):
     (grad,) = torch.autograd.grad(OPS.attn_res(*a.values()), leaf, torch.ones_like(leaf))
     want = _python_kernel("attn_res_backward")(torch.ones_like(leaf), *[v.detach() if isinstance(v, torch.Tensor)
                                                                           else v for v in a.values()],
-                                                 [True, False, False])[0]
+                                                 [True, False, False, False])[0]
     assert bits_equal(grad, want)
 
 
