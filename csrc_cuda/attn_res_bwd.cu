@@ -43,6 +43,7 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
+#include <utility>
 
 #include "cp_async.h"
 #include "warp_reduce.h"
@@ -548,6 +549,29 @@ __device__ __forceinline__ void reduce_weight_gradient(const SingleReadBwdArgs& 
   }
 }
 
+// One 16-byte vector of dv_r = p gy + gs r w - (gs d r^3 / H) v (c = (p, gs r, gs d r^3 / H)) from the candidate's
+// packed vector u and grad_out's gyp; adds gs r v into dwt when kDw. One expression for every store of a row, so
+// that a row stored later (the ring's deferred last token) has the same bits.
+template <typename T, bool kDw>
+__device__ __forceinline__ uint4 dv_vector(const uint4& u, const uint4& gyp, const float (&w)[kElemsPerVector],
+                                           const float4& c, float (&dwt)[kElemsPerVector]) {
+  using P = Pack<T>;
+  uint4 o;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 x = P::unpack(word(u, j));
+    const float2 g = P::unpack(word(gyp, j));
+    const float d0 = fmaf(-c.z, x.x, fmaf(c.y, w[2 * j], c.x * g.x));
+    const float d1 = fmaf(-c.z, x.y, fmaf(c.y, w[2 * j + 1], c.x * g.y));
+    set_word(o, j, P::pack(d0, d1));
+    if constexpr (kDw) {
+      dwt[2 * j] = fmaf(c.y, x.x, dwt[2 * j]);
+      dwt[2 * j + 1] = fmaf(c.y, x.y, dwt[2 * j + 1]);
+    }
+  }
+  return o;
+}
+
 // Ring layout (vectors_per_thread = kRingLayout): the shared-memory-resident kernel's arithmetic over a ring of
 // R >= K + 2 row slots (as many as the device's shared memory holds, up to kRingMaxRows), so that up to R - (K + 2)
 // rows of the tokens ahead stay in flight while a token's statistics, softmax and barriers run. The program's rows
@@ -593,7 +617,11 @@ __global__ void __launch_bounds__(kRingMaxThreads, 1) attn_res_bwd_ring_kernel(S
     }
     if (++issue_slot == R) issue_slot = 0;
   };
-  for (int i = 0; i < R; ++i) issue_next();
+  // The first fill takes token 0's rows only, the rest of the ring once they have landed: every program fills at
+  // once, so a whole ring's oldest rows would land about when its newest do (token 0 at 15-16 us on an H100 at any
+  // T), while K + 2 rows per program land in a few; the ring's rest then streams under token 0's work and stores
+  // (docs/kernels.md, "The backward at 1,024-4,096 tokens").
+  for (int i = 0; i < nrows; ++i) issue_next();
 
   float w[kElemsPerVector];
   double dw[kElemsPerVector];
@@ -606,7 +634,13 @@ __global__ void __launch_bounds__(kRingMaxThreads, 1) attn_res_bwd_ring_kernel(S
 
   int base = 0;  // slot of token t's grad_out row
   for (int64_t t = t_begin; t < t_end; ++t) {
-    cp_async_wait_dyn(R - nrows);  // this thread's copies of token t's rows have landed
+    const bool defer = t + 1 == t_end;  // the last token's stores come after the loop (after the barrier's arrival)
+    if (t == t_begin) {
+      cp_async_wait_all();  // token 0's rows (the only ones issued) have landed
+      for (int i = nrows; i < R; ++i) issue_next();  // the ring's rest: R groups committed, as below
+    } else {
+      cp_async_wait_dyn(R - nrows);  // this thread's copies of token t's rows have landed
+    }
     const auto slot = [&](int r) { return base + r < R ? base + r : base + r - R; };
     // grad_out stays packed (4 registers, unpacked where used: the 10-row variant spills with 8 floats).
     const uint4 gyp = active ? ring[base * nvec + v] : make_uint4(0u, 0u, 0u, 0u);
@@ -654,19 +688,9 @@ __global__ void __launch_bounds__(kRingMaxThreads, 1) attn_res_bwd_ring_kernel(S
         const float4 c = coef_s[r];
         if (active) {
           const uint4 u = ring[slot(r) * nvec + v];
-          uint4 o;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 x = P::unpack(word(u, j));
-            const float2 g = P::unpack(word(gyp, j));
-            const float d0 = fmaf(-c.z, x.x, fmaf(c.y, w[2 * j], c.x * g.x));
-            const float d1 = fmaf(-c.z, x.y, fmaf(c.y, w[2 * j + 1], c.x * g.y));
-            set_word(o, j, P::pack(d0, d1));
-            dwt[2 * j] = fmaf(c.y, x.x, dwt[2 * j]);
-            dwt[2 * j + 1] = fmaf(c.y, x.y, dwt[2 * j + 1]);
-          }
+          const uint4 o = dv_vector<T, true>(u, gyp, w, c, dwt);
           void* out = r == 1 ? a.grad_prefix : a.grad_blocks;
-          if (out != nullptr) {
+          if (out != nullptr && !defer) {
             T* dst = r == 1 ? static_cast<T*>(out) + t * H : static_cast<T*>(out) + (t * a.C + (r - 2)) * H;
             reinterpret_cast<uint4*>(dst)[v] = o;
           }
@@ -677,7 +701,7 @@ __global__ void __launch_bounds__(kRingMaxThreads, 1) attn_res_bwd_ring_kernel(S
     if (active) {
 #pragma unroll
       for (int e = 0; e < kElemsPerVector; ++e) dw[e] += static_cast<double>(dwt[e]);
-      if (a.grad_blocks) {
+      if (a.grad_blocks && !defer) {
         for (int64_t c = K; c < a.C; ++c)
           reinterpret_cast<uint4*>(static_cast<T*>(a.grad_blocks) + (t * a.C + c) * H)[v] = make_uint4(0u, 0u, 0u, 0u);
       }
@@ -691,10 +715,43 @@ __global__ void __launch_bounds__(kRingMaxThreads, 1) attn_res_bwd_ring_kernel(S
 #pragma unroll
     for (int e = 0; e < kElemsPerVector; e += 2) out[e / 2] = make_double2(dw[e], dw[e + 1]);
   }
-  if (compute_dw && (a.grad_norm_weight != nullptr || a.grad_proj_weight != nullptr)) {
-    // Every program's partials are written (the grid barrier orders them before the reads): each program sums its
-    // share of the columns over all programs' rows. The ring's slots are all consumed, so they hold the partials.
-    cooperative_groups::this_grid().sync();
+  // With the weight-gradient reduction in the kernel (a cooperative launch), its grid barrier is split: the
+  // arrival's release makes this program's earlier stores visible before any program may pass, so it is issued as
+  // soon as the dw partial is written, and the last token's dv and zero rows are stored between the arrival and the
+  // wait. Otherwise the program that DRAM served slowest, whose arrival opens the barrier for every program, would
+  // first wait for its last token's K + 1 stored rows (and C - K zero rows) to drain (docs/kernels.md, "The backward
+  // at 1,024-4,096 tokens"). Without the reduction the stores simply come last.
+  const bool folded = compute_dw && (a.grad_norm_weight != nullptr || a.grad_proj_weight != nullptr);
+  cooperative_groups::grid_group::arrival_token arrival{};
+  if (folded) arrival = cooperative_groups::this_grid().barrier_arrive();
+  if (t_begin < t_end && active) {
+    // Its coefficients are still in coef_s and its rows in the ring (nothing was issued past the program's last
+    // row); dv_vector gives the bits the loop would have stored.
+    const int64_t t = t_end - 1;
+    const int last_base = (base - nrows % R + R) % R;
+    const auto slot = [&](int r) { return last_base + r < R ? last_base + r : last_base + r - R; };
+    const uint4 gyp = ring[last_base * nvec + v];
+    float unused[kElemsPerVector];
+#pragma unroll
+    for (int r = 1; r < MAXR; ++r) {
+      if (r < nrows) {
+        const uint4 o = dv_vector<T, false>(ring[slot(r) * nvec + v], gyp, w, coef_s[r], unused);
+        void* out = r == 1 ? a.grad_prefix : a.grad_blocks;
+        if (out != nullptr) {
+          T* dst = r == 1 ? static_cast<T*>(out) + t * H : static_cast<T*>(out) + (t * a.C + (r - 2)) * H;
+          reinterpret_cast<uint4*>(dst)[v] = o;
+        }
+      }
+    }
+    if (a.grad_blocks) {
+      for (int64_t c = K; c < a.C; ++c)
+        reinterpret_cast<uint4*>(static_cast<T*>(a.grad_blocks) + (t * a.C + c) * H)[v] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  if (folded) {
+    // Every program's partials are written (the barrier orders them before the reads): each program sums its share
+    // of the columns over all programs' rows. The ring's slots are all consumed, so they hold the partials.
+    cooperative_groups::this_grid().barrier_wait(std::move(arrival));
     reduce_weight_gradient(a, reinterpret_cast<double*>(smem));
   }
 }

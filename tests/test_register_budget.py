@@ -213,10 +213,11 @@ def test_cuda_cpp_backward_default_variants_have_no_local_memory(cpp_budget, dty
 def test_cuda_cpp_backward_k8_smem_variants_spill_almost_nothing(cpp_budget, dtype, vpt):
     # The shared-memory layouts at 10 rows: at 64 registers the plain one spills nothing with nvcc 13.0 (4 bytes
     # before the softmax step became one helper shared by both layouts); the ring at 72 (its FP64 dw registers and
-    # cursors) 8 bytes, one value kept across the token loop. A register array of rows or partials pushed to local
-    # memory would be tens to hundreds of bytes.
+    # cursors) at most one 8-byte value kept across the token loop: with nvcc 13.0 the bf16 variant stores it once
+    # before the loop and loads it three times after it (8 bytes of stores, 24 of loads; cuobjdump -sass). A
+    # register array of rows or partials pushed to local memory would be tens to hundreds of bytes.
     r = cpp_budget[(dtype, vpt, 10)]
-    assert r.get("stack", 0) <= 16 and r.get("spill_stores", 0) <= 16 and r.get("spill_loads", 0) <= 16, r
+    assert r.get("stack", 0) <= 16 and r.get("spill_stores", 0) <= 16 and r.get("spill_loads", 0) <= 32, r
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
