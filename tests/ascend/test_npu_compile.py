@@ -251,9 +251,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Kimi K3's valid-block counts (up to 8) give K_PAD = next_pow2(K + 1) in {2, 4, 8, 16}: every one of them, K = 0
 #: (the first mix) and K = 1 (Triton's == 1 specialisation). H: Kimi K3's width (padded to 8192; fp32 takes the
 #: two-pass plan there) and a width that is neither a multiple of 16 nor of the tile (masked tails, single-read in
-#: every dtype). A smaller width (H = 96, a 128 tile) and K = 64 (K_PAD = 128) over the whole cross product were
-#: each a quarter of the check's time for compile keys that differ from these only in a constexpr's value; K = 64
-#: keeps one point of its own (LARGE_K_AXES), so a tile past Kimi K3's still goes through the compiler.
+#: every dtype). A smaller width (H = 96, a 128 tile: 5,180 launches, 268 s alone with two workers) and K = 64
+#: (K_PAD = 128: 2,106 launches at the other widths, 348 s) left the whole cross product: their compile keys differ
+#: from these only in a constexpr's value. K = 64 keeps one point of its own (LARGE_K_AXES), so a tile past Kimi
+#: K3's still goes through the compiler.
 KS = (0, 1, 2, 4, 8)
 HS = (7168, 1000)
 LAYOUTS = ("tokenmajor", "blockmajor", "hstrided")
